@@ -1,0 +1,88 @@
+import numpy as np
+import pytest
+
+from vllm_av.core.cost_model import CostModel
+
+GRAPHS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def _h200_1b():
+    # DESIGN 1: 1B model on an H200, ms per step at these token counts.
+    verify = {1: [0.86, 0.9, 0.8], 64: [0.98], 256: [1.35], 512: [2.16], 1024: [4.0]}
+    draft = {1: [0.2], 64: [0.3], 256: [0.5]}
+    return CostModel.from_samples(verify, draft, GRAPHS)
+
+
+def test_costs_are_medians_of_samples():
+    cm = CostModel.from_samples({1: [3.0, 1.0, 2.0, 100.0, 2.5]}, {1: [0.5, 0.4, 0.6]}, [])
+    assert cm.verify_cost(1) == 2.5
+    assert cm.draft_cost(1) == 0.5
+
+
+def test_costs_are_forced_monotone_non_decreasing():
+    cm = CostModel.from_samples({1: [1.0], 8: [0.7], 16: [1.5], 32: [1.2]}, {1: [1.0]}, [])
+    x = np.arange(1, 60)
+    c = cm.verify_cost(x)
+    assert np.all(np.diff(c) >= 0)
+    assert cm.verify_cost(8) == 1.0 and cm.verify_cost(32) == 1.5
+
+
+def test_staircase_inside_graph_range_pads_to_next_profiled_size():
+    cm = _h200_1b()
+    # 65..256 tokens run in the 256 graph and cost what 256 costs.
+    assert cm.verify_cost(65) == cm.verify_cost(256) == 1.35
+    assert cm.verify_cost(2) == 0.98  # next profiled size >= 2 is 64
+    assert cm.verify_cost(1) == pytest.approx(0.86)
+    assert cm.verify_cost(0) == pytest.approx(0.86)
+
+
+def test_linear_interpolation_and_extrapolation_above_graph_range():
+    cm = _h200_1b()
+    assert cm.verify_cost(384) == pytest.approx((1.35 + 2.16) / 2)
+    assert cm.verify_cost(768) == pytest.approx((2.16 + 4.0) / 2)
+    slope = (4.0 - 2.16) / 512
+    assert cm.verify_cost(2048) == pytest.approx(4.0 + slope * 1024)
+
+
+def test_scalar_and_array_inputs_agree():
+    cm = _h200_1b()
+    x = np.array([0, 1, 3, 64, 100, 300, 1500, 5000])
+    arr = cm.verify_cost(x)
+    assert isinstance(arr, np.ndarray)
+    np.testing.assert_allclose(arr, [cm.verify_cost(int(v)) for v in x])
+    np.testing.assert_allclose(cm.verify_cost_range(3, 9), cm.verify_cost(np.arange(3, 9)))
+    np.testing.assert_allclose(cm.verify_cost_range(5000, 5003), cm.verify_cost(np.arange(5000, 5003)))
+    assert isinstance(cm.draft_cost(np.int64(7)), float)
+
+
+def test_single_point_curve_is_constant():
+    cm = CostModel.from_samples({16: [2.0]}, {4: [1.0]}, [])
+    assert cm.verify_cost(1) == cm.verify_cost(16) == cm.verify_cost(1000) == 2.0
+    cm = CostModel.from_samples({16: [2.0]}, {4: [1.0]}, [1, 2, 4, 8, 16])
+    assert cm.verify_cost(3) == cm.verify_cost(100) == 2.0
+
+
+@pytest.mark.parametrize(
+    "verify, draft, graphs, match",
+    [
+        ({}, {1: [1.0]}, [], "no verify samples"),
+        ({1: []}, {1: [1.0]}, [], "empty"),
+        ({1: [1.0]}, {1: [-0.1]}, [], "negative"),
+        ({0: [1.0]}, {1: [1.0]}, [], "positive"),
+        ({1: [1.0]}, {1: [1.0]}, [0, 4], "positive"),
+        ({1: [float("nan")]}, {1: [1.0]}, [], "non-finite"),
+    ],
+)
+def test_bad_samples_raise_clear_value_errors(verify, draft, graphs, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel.from_samples(verify, draft, graphs)
+
+
+def test_json_round_trip_and_summary():
+    cm = _h200_1b()
+    cm2 = CostModel.from_json(cm.to_json())
+    x = np.arange(0, 3000, 7)
+    np.testing.assert_allclose(cm2.verify_cost(x), cm.verify_cost(x))
+    np.testing.assert_allclose(cm2.draft_cost(x), cm.draft_cost(x))
+    line = cm.summary()
+    assert "\n" not in line and "verify" in line and "draft" in line
