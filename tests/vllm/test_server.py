@@ -1,0 +1,211 @@
+"""`vllm serve` with our AV on: the OpenAI endpoints, /metrics, bad input
+and a 256-request load with client aborts.
+
+One server for the whole module (tiny models, steep cost table so that the
+budget binds under load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+aiohttp = pytest.importorskip("aiohttp")
+requests = pytest.importorskip("requests")
+
+from test_av_engine import steep_cost_table  # noqa: E402
+
+K = 7
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_command() -> list[str]:
+    exe = pathlib.Path(sys.executable).parent / "vllm"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(
+        VLLM_AV_COST_TABLE=steep_cost_table(tmp / "steep.json"),
+        VLLM_AV_METRICS_INTERVAL="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    spec = {
+        "method": "draft_model",
+        "model": str(tiny_models.draft),
+        "num_speculative_tokens": K,
+        "enable_adaptive_verification": True,
+    }
+    cmd = _vllm_command() + [
+        "serve", str(tiny_models.target),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "64",
+        "--enforce-eager", "--chat-template", str(tmp / "chat.jinja"),
+        "--speculative-config", json.dumps(spec),
+    ]
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + STARTUP_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not start in time")
+            time.sleep(1)
+        yield base, str(tiny_models.target)
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _prompt(seed: int, n: int = 6) -> str:
+    from tiny_models import _words
+
+    rng = random.Random(seed)
+    words = _words(61)
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+def test_completions_chat_and_streaming_answer(server):
+    base, model = server
+    r = requests.post(f"{base}/v1/completions", json={
+        "model": model, "prompt": _prompt(1), "max_tokens": 12, "temperature": 0,
+    }, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+    r = requests.post(f"{base}/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": _prompt(2)}],
+        "max_tokens": 12, "temperature": 1.0,
+    }, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None
+
+    with requests.post(f"{base}/v1/completions", json={
+        "model": model, "prompt": _prompt(3), "max_tokens": 16, "temperature": 0,
+        "stream": True, "ignore_eos": True,
+    }, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert chunks[-1] == b"data: [DONE]"
+    assert len(chunks) >= 3  # several deltas, then [DONE]
+
+
+def test_metrics_expose_av_counters(server):
+    base, model = server
+    requests.post(f"{base}/v1/completions", json={
+        "model": model, "prompt": _prompt(4), "max_tokens": 24, "ignore_eos": True,
+    }, timeout=60)
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_av:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("drafted", "verified", "accepted", "trimmed"):
+        assert f"vllm_av:draft_tokens_{name}_total" in values, sorted(values)
+    assert values["vllm_av:draft_tokens_drafted_total"] > 0
+    assert "vllm_av:budget" in values
+    assert "vllm_av:estimator_slope" in values
+    assert any(k.startswith('vllm_av:estimator_intercept{position="0"}') for k in values)
+    assert any(k.startswith('vllm_av:acceptance_observed{position="0"}') for k in values)
+
+
+def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
+    base, model = server
+    bad = [
+        ("not json", {"data": b"{not json", "headers": {"Content-Type": "application/json"}}),
+        ("negative max_tokens", {"json": {"model": model, "prompt": "x", "max_tokens": -5}}),
+        ("bad temperature", {"json": {"model": model, "prompt": "x", "temperature": -1}}),
+    ]
+    for what, kwargs in bad:
+        r = requests.post(f"{base}/v1/completions", timeout=30, **kwargs)
+        assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
+    r = requests.post(f"{base}/v1/completions", json={
+        "model": model, "prompt": _prompt(5), "max_tokens": 8,
+    }, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_256_concurrent_requests_with_client_aborts_finish_cleanly(server):
+    base, model = server
+    rng = random.Random(0)
+    num_requests, abort_every = 256, 5
+
+    async def one(session, i):
+        body = {"model": model, "prompt": _prompt(100 + i), "max_tokens": 24,
+                "temperature": 1.0, "ignore_eos": True, "stream": i % 2 == 0}
+        async with session.post(f"{base}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        return i
+
+    async def main():
+        timeout = aiohttp.ClientTimeout(total=240)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            tasks = [asyncio.create_task(one(session, i)) for i in range(num_requests)]
+            aborted = set()
+            for i in range(0, num_requests, abort_every):
+                await asyncio.sleep(rng.uniform(0.0, 0.05))
+                tasks[i].cancel()
+                aborted.add(i)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        return aborted, results
+
+    aborted, results = asyncio.run(main())
+    for i, res in enumerate(results):
+        if i in aborted and isinstance(res, asyncio.CancelledError):
+            continue
+        assert res == i, f"request {i}: {res!r}"
+    # Still healthy and serving, and the load made the budget bind.
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
+    r = requests.post(f"{base}/v1/completions", json={
+        "model": model, "prompt": _prompt(7), "max_tokens": 8,
+    }, timeout=60)
+    assert r.status_code == 200
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    trimmed = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm_av:draft_tokens_trimmed_total")]
+    assert trimmed and trimmed[0] > 0

@@ -1,0 +1,1 @@
+"""The adapter: everything in vllm-av that imports vLLM lives here."""

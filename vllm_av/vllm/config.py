@@ -1,0 +1,117 @@
+"""The user-facing switch and our options.
+
+The switch is vLLM's own: `--speculative-config '{..., "enable_adaptive_verification": true}'`.
+With vllm-av installed, our implementation serves it. `VLLM_AV_IMPL` picks:
+
+    ours  (default)  our estimator, sizer, selector and cost model
+    vllm             vLLM's built-in AV (Model Runner V2 only), for comparison
+    off              the plugin does nothing at all
+
+Our options have defaults that need no tuning; each can be overridden by an
+environment variable, read once in the process that builds the config and
+carried to the workers inside `VllmConfig.additional_config` (a plain dict,
+so it survives serialisation to the engine-core and worker processes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+ENV_IMPL = "VLLM_AV_IMPL"
+IMPLS = ("ours", "vllm", "off")
+# Key of our entry in VllmConfig.additional_config.
+ADDITIONAL_CONFIG_KEY = "vllm_av"
+
+
+def selected_impl() -> str:
+    impl = os.environ.get(ENV_IMPL, "ours").strip().lower() or "ours"
+    if impl not in IMPLS:
+        raise ValueError(
+            f"{ENV_IMPL}={impl!r} is not one of {', '.join(IMPLS)}"
+        )
+    return impl
+
+
+@dataclass(frozen=True)
+class AVOptions:
+    """Options of our AV, as carried to the workers."""
+
+    # Steps between two Newton refits of the online estimator. 8 steps at
+    # tens of requests give hundreds of labels per refit, enough for a
+    # 8-parameter logistic model to move without oscillating.
+    refit_interval: int = 8
+    # Largest batch (tokens) timed when profiling the verification cost at
+    # start-up on the CPU; above it the cost model extrapolates linearly.
+    profile_max_tokens: int = 512
+    # Samples per profiled size; the median is kept.
+    profile_repeats: int = 5
+    # Synthetic KV context for profiling (GPU path; the CPU eager profile
+    # uses vLLM's dummy runs, which carry no context).
+    profile_context_len: int = 8192
+    # Steps between two Prometheus gauge refreshes of the estimator state.
+    metrics_interval: int = 16
+    # Whether the drafting depth is chosen per step as well (adaptive
+    # drafting). Off by default until measured on the GPU.
+    adaptive_depth: bool = False
+    # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
+    # use instead of profiling at start-up: reuse a profile across restarts,
+    # or plan with another machine's costs.
+    cost_table: str = ""
+    # Directory where the worker leaves its metrics snapshot for /metrics
+    # (VLLM_AV_METRICS_DIR); a fresh temporary directory when empty.
+    metrics_dir: str = ""
+
+    @classmethod
+    def from_env(cls) -> "AVOptions":
+        values = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"VLLM_AV_{f.name.upper()}")
+            if raw is None:
+                continue
+            try:
+                if f.type in ("bool", bool):
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif f.type in ("str", str):
+                    values[f.name] = raw
+                else:
+                    values[f.name] = int(raw)
+            except ValueError as e:
+                raise ValueError(
+                    f"VLLM_AV_{f.name.upper()}={raw!r} is not a valid {f.type}"
+                ) from e
+        options = cls(**values)
+        options.validate()
+        return options
+
+    def validate(self) -> None:
+        for name in ("refit_interval", "profile_max_tokens", "profile_repeats",
+                     "profile_context_len", "metrics_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"VLLM_AV_{name.upper()} must be >= 1, got {getattr(self, name)}"
+                )
+
+    def with_metrics_dir(self) -> "AVOptions":
+        if self.metrics_dir:
+            return self
+        import tempfile
+        from dataclasses import replace
+
+        return replace(self, metrics_dir=tempfile.mkdtemp(prefix="vllm-av-metrics-"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AVOptions":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def av_options_of(vllm_config) -> AVOptions | None:
+    """Our options if our AV serves this config, else None."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra:
+        return AVOptions.from_dict(extra[ADDITIONAL_CONFIG_KEY])
+    return None

@@ -1,0 +1,108 @@
+"""Route vLLM's `enable_adaptive_verification` flag to our implementation."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_av.vllm.config import ADDITIONAL_CONFIG_KEY, ENV_IMPL, AVOptions
+from vllm_av.vllm.metrics import register_collector
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+# Drafters whose draft distribution (or model-free match) we can score on
+# Model Runner V1. LLM-based ones go through the proposer's draft sampling;
+# ngram and suffix get a model-free feature.
+MRV1_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "ngram", "suffix")
+
+
+def check_supported(vllm_config) -> None:
+    """Refuse, at start-up, combinations our V1-runner AV cannot serve.
+
+    Every message names the setting to change.
+    """
+    spec = vllm_config.speculative_config
+    method = spec.method
+    if method not in MRV1_METHODS:
+        raise ValueError(
+            f"vllm-av: enable_adaptive_verification does not support "
+            f"speculative_config.method={method!r} on Model Runner V1; use one "
+            f"of {', '.join(MRV1_METHODS)} or remove enable_adaptive_verification"
+        )
+    if getattr(spec, "use_local_argmax_reduction", False):
+        raise ValueError(
+            "vllm-av: adaptive verification scores the draft distribution, "
+            "which use_local_argmax_reduction never materialises; set "
+            "speculative_config.use_local_argmax_reduction=false"
+        )
+    if vllm_config.lora_config is not None:
+        raise ValueError(
+            "vllm-av: adaptive verification is not supported with LoRA; "
+            "remove --enable-lora or enable_adaptive_verification"
+        )
+    sched = vllm_config.scheduler_config
+    if sched.async_scheduling:
+        raise ValueError(
+            "vllm-av: adaptive verification on Model Runner V1 trims drafts "
+            "before they are scheduled, which async scheduling does not allow; "
+            "pass --no-async-scheduling"
+        )
+    # Left unset, vLLM would turn async scheduling on for GPU draft models.
+    sched.async_scheduling = False
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "vllm-av: adaptive verification is not supported with pipeline "
+            "parallelism; set --pipeline-parallel-size 1"
+        )
+
+
+class RouteAdaptiveVerificationPatch(VllmPatch):
+    """Serve `enable_adaptive_verification` with vllm-av on Model Runner V1.
+
+    Target: vllm.config.vllm:VllmConfig.__post_init__
+    Why: vLLM 0.32 refuses adaptive verification on Model Runner V1 (the only
+        runner of the CPU backend, and the one for suffix/custom drafters on
+        GPU), demands FULL CUDA graphs, and asks the attention backend for
+        device-decided query lengths. Our V1 path trims drafts before they are
+        scheduled, so it needs none of that.
+    How: before vLLM validates the config, when the V1 runner will serve it,
+        check the combination is one we support (clear error otherwise),
+        record our options in `additional_config["vllm_av"]` (a plain dict
+        that reaches every process) and clear the flag, so that none of
+        vLLM's own AV machinery engages. On Model Runner V2 the flag is left
+        to vLLM unless VLLM_AV_IMPL says otherwise.
+    Upstream: a plugin seam for adaptive verification in Model Runner V1, or
+        a speculative-config field naming the AV implementation.
+    Remove when: vLLM accepts an out-of-tree AV implementation on every runner.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.config.vllm:VllmConfig"
+    attributes = ("__post_init__",)
+
+    def __post_init__(self):
+        spec = self.speculative_config
+        if spec is not None and spec.enable_adaptive_verification:
+            if not self.use_v2_model_runner:
+                check_supported(self)
+                options = AVOptions.from_env().with_metrics_dir()
+                register_collector(options.metrics_dir)
+                if not isinstance(self.additional_config, dict):
+                    raise ValueError(
+                        "vllm-av: --additional-config must be a dict to carry "
+                        "adaptive-verification options"
+                    )
+                self.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
+                spec.enable_adaptive_verification = False
+                logger.info(
+                    "vllm-av: adaptive verification on Model Runner V1 "
+                    "(method=%s, K=%d)", spec.method, spec.num_speculative_tokens,
+                )
+            else:
+                raise ValueError(
+                    "vllm-av serves enable_adaptive_verification on Model Runner "
+                    "V1 in this release: set VLLM_USE_V2_MODEL_RUNNER=0 to use "
+                    f"it, or {ENV_IMPL}=vllm for vLLM's built-in AV on Model "
+                    "Runner V2"
+                )
+        type(self)._orig___post_init__(self)

@@ -1,0 +1,120 @@
+"""AV metrics on vLLM's /metrics.
+
+The verifier lives in the worker process, /metrics is served by the API
+server process, and vLLM 0.32 with one API server does not run Prometheus in
+multiprocess mode. So the worker writes a small JSON snapshot of its
+counters every few steps (atomically: write, then rename) into a directory
+named in our options, and a collector registered in the process that built
+the config reads it at scrape time. A scrape therefore lags the engine by
+at most `metrics_interval` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+SNAPSHOT_NAME = "av_stats_rank{rank}.json"
+PREFIX = "vllm_av:"
+
+
+def snapshot(verifier) -> dict:
+    s = verifier.stats
+    est = verifier.estimator
+    return {
+        "steps": s.num_steps,
+        "drafted": s.drafted,
+        "verified": s.admitted,
+        "accepted": s.accepted,
+        "trimmed": s.trimmed,
+        "budget": s.last_budget,
+        "slope": est.slope,
+        "intercepts": est.intercepts,
+        "predicted": s.predicted.tolist(),
+        "observed": s.observed.tolist(),
+        "labelled": s.labelled.tolist(),
+    }
+
+
+def write_snapshot(directory: str, verifier, rank: int = 0) -> None:
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(snapshot(verifier), f)
+    os.replace(tmp, os.path.join(directory, SNAPSHOT_NAME.format(rank=rank)))
+
+
+def read_snapshot(directory: str, rank: int = 0) -> dict | None:
+    try:
+        with open(os.path.join(directory, SNAPSHOT_NAME.format(rank=rank))) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class AVCollector:
+    """Prometheus collector over the worker's latest snapshot."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = read_snapshot(self.directory)
+        if snap is None:
+            return
+        for name, doc in (
+            ("drafted", "Draft tokens proposed by the drafter"),
+            ("verified", "Draft tokens admitted and verified by the target"),
+            ("accepted", "Draft tokens accepted by verification"),
+            ("trimmed", "Draft tokens trimmed before verification"),
+        ):
+            yield CounterMetricFamily(
+                f"{PREFIX}draft_tokens_{name}", doc, value=snap[name]
+            )
+        yield GaugeMetricFamily(
+            f"{PREFIX}budget", "Verification budget (draft slots) of the last step",
+            value=snap["budget"],
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}estimator_slope", "Shared slope of the acceptance estimator",
+            value=snap["slope"],
+        )
+        icpt = GaugeMetricFamily(
+            f"{PREFIX}estimator_intercept", "Per-position intercept of the estimator",
+            labels=["position"],
+        )
+        for i, b in enumerate(snap["intercepts"]):
+            icpt.add_metric([str(i)], b)
+        yield icpt
+        pred = GaugeMetricFamily(
+            f"{PREFIX}acceptance_predicted",
+            "Mean predicted conditional acceptance over labelled drafts, per position",
+            labels=["position"],
+        )
+        obs = GaugeMetricFamily(
+            f"{PREFIX}acceptance_observed",
+            "Observed conditional acceptance over labelled drafts, per position",
+            labels=["position"],
+        )
+        for i, n in enumerate(snap["labelled"]):
+            if n > 0:
+                pred.add_metric([str(i)], snap["predicted"][i] / n)
+                obs.add_metric([str(i)], snap["observed"][i] / n)
+        yield pred
+        yield obs
+
+
+_registered_dirs: set[str] = set()
+
+
+def register_collector(directory: str) -> None:
+    """Register the collector in this process's default registry, once."""
+    if directory in _registered_dirs:
+        return
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(AVCollector(directory))
+    _registered_dirs.add(directory)

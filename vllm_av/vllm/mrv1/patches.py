@@ -1,0 +1,342 @@
+"""Model Runner V1 patches: score drafts, trim them, learn from outcomes.
+
+Flow on the V1 runner with synchronous scheduling (the CPU backend always
+schedules synchronously in vLLM 0.32):
+
+  step t  : target forward + rejection sampling; the drafter proposes K
+            tokens per request and, through our proposer patch, we record a
+            lossless feature per draft slot.
+            -> `AdaptiveVerifier.admit` sizes the budget from one-step-old
+            scores and admits a prefix of each draft; the drafts handed to
+            the scheduler are cut to that prefix, so trimmed drafts never get
+            a KV slot and never reach the target.
+  step t+1: the admitted drafts are verified; in bookkeeping we read how many
+            were accepted and feed the estimator.
+
+All AV state lives on the runner instance in the worker process (it never
+crosses a process boundary); what must reach the workers (our options) is in
+`VllmConfig.additional_config`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
+from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.metrics import write_snapshot
+from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
+from vllm_av.vllm.mrv1.startup import build_verifier
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+_AV_ATTR = "_vllm_av_verifier"
+_FEATURES_ATTR = "_vllm_av_features"
+
+
+def verifier_of(runner):
+    return getattr(runner, _AV_ATTR, None)
+
+
+def features_from_probs(probs: torch.Tensor) -> torch.Tensor:
+    """logit(q_max) from a probability vector [..., V] -> [...].
+
+    1 - q_max is taken as the sum of the other probabilities, not as
+    1 - q_max, so it does not round to 0 when q_max is close to 1.
+    """
+    q = probs.float()
+    q_max = q.max(dim=-1).values
+    rest = (q.sum(dim=-1) - q_max).clamp_min(1e-30)
+    return (q_max.clamp_min(1e-30).log() - rest.log()).clamp(-FEATURE_CLIP, FEATURE_CLIP)
+
+
+class DraftFeaturePatch(VllmPatch):
+    """Record a lossless feature of each draft distribution while drafting.
+
+    Target: vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._sample_draft_tokens
+    Why: the confidence of a draft slot comes from the draft distribution
+        q_i, which vLLM computes and throws away (greedy drafting keeps only
+        the argmax).
+    How: while our runner patch has armed the proposer (a list on the
+        instance), compute logit(q_max) from the logits (greedy drafting:
+        one lm_head pass, as vLLM does, then argmax) or from the draft
+        probabilities (probabilistic drafting) and append it. The feature
+        never looks at the sampled token (DESIGN 2.5).
+    Upstream: a drafter hook that exposes per-slot draft logits or scores.
+    Remove when: vLLM's V1 drafters return draft confidences.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+    attributes = ("_sample_draft_tokens",)
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        record = getattr(self, _FEATURES_ATTR, None)
+        orig = type(self)._orig__sample_draft_tokens
+        if record is None:
+            return orig(self, hidden_states, sampling_metadata)
+        greedy = (
+            not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
+        )
+        if greedy and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab:
+            logits = self.model.compute_logits(hidden_states)
+            record.append(draft_features(logits, 1.0))
+            return logits.argmax(dim=-1), None
+        tokens, probs = orig(self, hidden_states, sampling_metadata)
+        if probs is not None:
+            record.append(features_from_probs(probs))
+        else:
+            record.append(torch.zeros(tokens.shape[0], device=tokens.device))
+        return tokens, probs
+
+
+class RunnerAdmitPatch(VllmPatch):
+    """Admit a prefix of each draft before it is scheduled.
+
+    Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids
+    Why: vLLM 0.32's V1 runner verifies every draft token; past the knee of
+        the step-cost curve the deep, mostly rejected slots cost more than
+        they return.
+    How: arm the proposer's feature recording, call the original, then run
+        `AdaptiveVerifier.admit` and return the drafts cut to the admitted
+        prefix as lists (the form the V1 runner already hands to the
+        scheduler for CPU-side drafters), so trimmed drafts take no KV slot
+        and no target compute.
+    Upstream: an admission hook between drafting and scheduling in V1.
+    Remove when: vLLM's V1 runner supports adaptive verification.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+    attributes = ("propose_draft_token_ids",)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        orig = type(self)._orig_propose_draft_token_ids
+        verifier = verifier_of(self)
+        if verifier is None:
+            return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        drafter = self.drafter
+        arm = hasattr(drafter, "_sample_draft_tokens")
+        if arm:
+            setattr(drafter, _FEATURES_ATTR, [])
+        try:
+            drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
+        finally:
+            if arm:
+                setattr(drafter, _FEATURES_ATTR, None)
+        return _admit(self, verifier, drafts, recorded)
+
+
+def _admit(runner, verifier, drafts, recorded):
+    req_ids = list(runner.input_batch.req_ids)
+    num_reqs = len(req_ids)
+    K = verifier.K
+    if torch.is_tensor(drafts):
+        rows = drafts[:num_reqs].tolist()
+        # A request still in (chunked) prefill drafts nothing the scheduler
+        # will keep: vLLM discards its sampled token and its drafts.
+        discard = runner.discard_request_mask.np[:num_reqs]
+        num_drafted = np.where(discard, 0, drafts.shape[1]).astype(np.int64)
+    else:
+        rows = [list(r) for r in drafts]
+        num_drafted = np.array([len(r) for r in rows], dtype=np.int64)
+    num_drafted = np.minimum(num_drafted, K)
+    if num_drafted.sum() == 0:
+        return [r[: int(n)] for r, n in zip(rows, num_drafted)]
+
+    features = _features(recorded, num_reqs, num_drafted, K)
+    num_decoding = int((num_drafted > 0).sum())
+    admitted = verifier.admit(
+        req_ids,
+        features,
+        num_drafted,
+        # Next step: every decoding request samples, and contributes one
+        # non-draft token (the one it sampled this step).
+        num_sampling=num_decoding,
+        num_other_tokens=num_decoding,
+    )
+    # A request with its own seed is verified in full, so that its output
+    # depends on its seed alone (as without AV), not on how much of its
+    # draft the load of the moment let through. The override is fixed per
+    # request, so it keeps the admission independent of the drafted tokens.
+    for idx in runner.input_batch.generators:
+        if idx < num_reqs:
+            admitted[idx] = num_drafted[idx]
+    return [r[: int(a)] for r, a in zip(rows, admitted)]
+
+
+def _features(recorded, num_reqs, num_drafted, K) -> torch.Tensor:
+    """[num_reqs, K] features; model-free drafters get their own."""
+    if recorded and len(recorded) >= 1 and recorded[0].shape[0] >= num_reqs:
+        cols = [f[:num_reqs].float() for f in recorded[:K]]
+        feats = torch.stack(cols, dim=1)
+        if feats.shape[1] < K:
+            pad = torch.zeros(num_reqs, K - feats.shape[1], device=feats.device)
+            feats = torch.cat([feats, pad], dim=1)
+        return feats
+    # ngram / suffix: the proposal length is how far the matched
+    # continuation reaches, a property of the context, not of any token.
+    return match_length_feature(torch.as_tensor(num_drafted)).unsqueeze(1).expand(
+        num_reqs, K
+    ).contiguous()
+
+
+def _learnable(runner, scheduler_output, req_ids) -> np.ndarray:
+    """False for requests whose target distribution was changed by
+    sampling transforms the drafter did not see."""
+    b = runner.input_batch
+    transformed = (
+        b.frequency_penalties_reqs
+        | b.presence_penalties_reqs
+        | b.repetition_penalties_reqs
+        | b.has_allowed_token_ids
+        | set(getattr(scheduler_output, "structured_output_request_ids", None) or ())
+    )
+    bad_words_idx = set(b.bad_words_token_ids)
+    return np.array(
+        [rid not in transformed and i not in bad_words_idx for i, rid in enumerate(req_ids)],
+        dtype=bool,
+    )
+
+
+class RunnerObservePatch(VllmPatch):
+    """Feed accept/reject outcomes of admitted drafts to the estimator.
+
+    Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync
+    Why: the online estimator learns from the verification outcomes, which
+        vLLM computes but does not expose per request.
+    How: after the original bookkeeping, read per request the number of
+        drafts that were scheduled (verified) and the number of valid
+        sampled tokens (accepted + 1), and call `AdaptiveVerifier.observe`.
+    Upstream: per-request acceptance counts in the runner output.
+    Remove when: vLLM's V1 runner supports adaptive verification.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+    attributes = ("_bookkeeping_sync",)
+
+    def _bookkeeping_sync(self, scheduler_output, *args, **kwargs):
+        out = type(self)._orig__bookkeeping_sync(self, scheduler_output, *args, **kwargs)
+        verifier = verifier_of(self)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if verifier is not None and spec:
+            valid_sampled = out[3]
+            req_ids = list(self.input_batch.req_ids)
+            num_verified = np.array([len(spec.get(r, ())) for r in req_ids])
+            num_accepted = np.array(
+                [max(len(valid_sampled[i]) - 1, 0) for i in range(len(req_ids))]
+            )
+            verifier.observe(
+                req_ids,
+                num_verified,
+                num_accepted,
+                learn=_learnable(self, scheduler_output, req_ids),
+            )
+            _maybe_write_metrics(self, verifier)
+        return out
+
+
+def _maybe_write_metrics(runner, verifier) -> None:
+    options = av_options_of(runner.vllm_config)
+    if options is None or not options.metrics_dir:
+        return
+    if verifier.stats.num_steps % options.metrics_interval == 0:
+        write_snapshot(options.metrics_dir, verifier, rank=getattr(runner, "rank", 0) or 0)
+
+
+class RunnerForgetPatch(VllmPatch):
+    """Drop AV state of finished and preempted requests.
+
+    Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states
+    Why: the verifier keeps per-request rows (stale scores, pending
+        features); without this they would outlive their requests.
+    How: forget the finished and preempted request ids, then call the
+        original.
+    Upstream: none needed if AV state lived in vLLM's request state.
+    Remove when: vLLM's V1 runner supports adaptive verification.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+    attributes = ("_update_states",)
+
+    def _update_states(self, scheduler_output):
+        verifier = verifier_of(self)
+        if verifier is not None:
+            verifier.forget(scheduler_output.finished_req_ids)
+            verifier.forget(scheduler_output.preempted_req_ids or ())
+        return type(self)._orig__update_states(self, scheduler_output)
+
+
+def _attach_verifier(worker) -> None:
+    options = av_options_of(worker.vllm_config)
+    if options is not None:
+        runner = worker.model_runner
+        setattr(runner, _AV_ATTR, build_verifier(runner, options))
+
+
+class CPUWorkerStartupPatch(VllmPatch):
+    """Profile step costs and build our verifier once the CPU worker is warm.
+
+    Target: vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model
+    Why: the budget needs step costs of this model on this machine, which
+        can only be measured once the KV cache exists and the model is warm.
+    How: after the original warm-up, time dummy target steps and drafter
+        steps (eager on the CPU), build the cost model and attach an
+        `AdaptiveVerifier` to the runner; log a one-line summary.
+    Upstream: a post-warm-up hook for platform plugins.
+    Remove when: vLLM offers such a hook.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.cpu_worker:CPUWorker"
+    attributes = ("compile_or_warm_up_model",)
+
+    def compile_or_warm_up_model(self):
+        out = type(self)._orig_compile_or_warm_up_model(self)
+        _attach_verifier(self)
+        return out
+
+
+class GPUWorkerStartupPatch(VllmPatch):
+    """Profile step costs and build our verifier once the GPU worker has
+    captured its CUDA graphs (Model Runner V1 on GPU).
+
+    Target: vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model
+    Why: as for the CPU worker: costs must be measured on the warm model,
+        here with the captured graphs, so that the cost table is the
+        staircase the real steps pay.
+    How: after the original (compile, graph capture), time target-only
+        dummy steps at every capture size and a few above, with attention
+        over a synthetic context, and drafter steps; attach the verifier.
+    Upstream: a post-warm-up hook for platform plugins.
+    Remove when: vLLM offers such a hook.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_worker:Worker"
+    attributes = ("compile_or_warm_up_model",)
+
+    def compile_or_warm_up_model(self):
+        out = type(self)._orig_compile_or_warm_up_model(self)
+        _attach_verifier(self)
+        return out
+
+
+MRV1_PATCHES = [
+    # Sampling fixes that make speculative decoding lossless on the CPU backend.
+    *LOSSLESS_PATCHES,
+    # Adaptive verification.
+    DraftFeaturePatch,
+    RunnerAdmitPatch,
+    RunnerObservePatch,
+    RunnerForgetPatch,
+    CPUWorkerStartupPatch,
+    GPUWorkerStartupPatch,
+]

@@ -1,0 +1,148 @@
+"""Start-up: profile step costs on the V1 runner and build the verifier.
+
+Verification cost is timed as a target-only dummy step at each token count
+(the drafter's part of vLLM's dummy step is switched off while timing);
+drafting cost as the drafter's own dummy step (K forward passes) at each
+request count. Each size is run once to warm up, then `profile_repeats`
+times; the cost model keeps the median. On the CPU there are no CUDA
+graphs, so the table has no graph sizes and is interpolated throughout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import torch
+
+from vllm_av.core.cost_model import CostModel
+from vllm_av.core.verifier import AdaptiveVerifier
+from vllm_av.vllm.config import AVOptions
+
+logger = logging.getLogger("vllm.vllm_av")
+
+# Where to write the profiled cost tables as JSON (for the simulator, for
+# inspection, or to load later through VLLM_AV_COST_TABLE), if set.
+ENV_COST_OUT = "VLLM_AV_COST_TABLE_OUT"
+
+
+def _sizes(limit: int) -> list[int]:
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    sizes.append(limit)
+    return sizes
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, repeats: int, device) -> list[float]:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+@contextlib.contextmanager
+def _drafter_off(runner):
+    """Make vLLM's dummy step run the target only."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "dummy_run"):
+        yield
+        return
+    drafter.dummy_run = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        del drafter.dummy_run  # back to the class method
+
+
+def _profile_sizes(runner, options: AVOptions) -> tuple[list[int], list[int]]:
+    """Token counts to time: every CUDA-graph capture size plus a few above
+    the largest (GPU), or powers of two (CPU, eager)."""
+    sched = runner.vllm_config.scheduler_config
+    limit = min(options.profile_max_tokens, sched.max_num_batched_tokens)
+    comp = runner.vllm_config.compilation_config
+    graphs = sorted(
+        n for n in (comp.cudagraph_capture_sizes or [])
+        if n <= sched.max_num_batched_tokens
+    )
+    if graphs and not runner.vllm_config.model_config.enforce_eager:
+        top = graphs[-1]
+        above = [min(int(top * f), sched.max_num_batched_tokens) for f in (1.5, 2, 3)]
+        return sorted(set(graphs + above)), graphs
+    return _sizes(limit), []
+
+
+def profile_costs(runner, options: AVOptions) -> CostModel:
+    sched = runner.vllm_config.scheduler_config
+    device = getattr(runner, "device", None)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    sizes, graph_sizes = _profile_sizes(runner, options)
+    max_reqs = min(sched.max_num_seqs, sizes[-1])
+    context = min(options.profile_context_len, runner.vllm_config.model_config.max_model_len)
+
+    def target_step(n: int) -> None:
+        if on_gpu:
+            # Attention over a synthetic context, as decode steps see it.
+            runner._dummy_run(n, force_attention=True, profile_seq_lens=context)
+        else:
+            runner._dummy_run(n)
+
+    verify: dict[int, list[float]] = {}
+    draft: dict[int, list[float]] = {}
+    with torch.inference_mode():
+        with _drafter_off(runner):
+            for n in sizes:
+                verify[n] = _time_ms(lambda: target_step(n), options.profile_repeats, device)
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "dummy_run"):
+            for n in [s for s in sizes if s <= max_reqs] or [1]:
+                draft[n] = _time_ms(
+                    lambda: drafter.dummy_run(n, use_cudagraphs=on_gpu),
+                    options.profile_repeats,
+                    device,
+                )
+        else:
+            # Model-free drafters (ngram, suffix) run on the CPU beside the
+            # step; their cost is small and not a function of the budget.
+            draft = {1: [0.0]}
+    return CostModel.from_samples(verify, draft, graph_sizes=graph_sizes)
+
+
+def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
+    t0 = time.perf_counter()
+    if options.cost_table:
+        with open(options.cost_table) as f:
+            cost = CostModel.from_json(f.read())
+    else:
+        cost = profile_costs(runner, options)
+    spec = runner.vllm_config.speculative_config
+    K = spec.num_speculative_tokens
+    from vllm_av.core.estimator import OnlineAcceptanceEstimator
+
+    verifier = AdaptiveVerifier(
+        K, cost, OnlineAcceptanceEstimator(K, refit_interval=options.refit_interval)
+    )
+    logger.info(
+        "vllm-av: adaptive verification ready (K=%d, method=%s); cost %s "
+        "in %.1f s: %s",
+        K, spec.method, "loaded" if options.cost_table else "profiled",
+        time.perf_counter() - t0, cost.summary(),
+    )
+    path = os.environ.get(ENV_COST_OUT)
+    if path:
+        with open(path, "w") as f:
+            f.write(cost.to_json())
+    return verifier

