@@ -6,7 +6,9 @@ predictors of per-slot acceptance on the labelled (uncensored) drafts:
   Reference (part 1), all scored on the held-out prompts:
     online (ours)    OnlineAcceptanceEstimator replayed in trace order, one
                      step at a time, each step scored with the prediction
-                     made BEFORE that step was observed (prequential);
+                     made BEFORE that step was observed (prequential): the
+                     default (running precision, memory 3000) and the plain
+                     damped step of the reference design (memory=0);
     offline fits     sigmoid(w * f + b_pos) fitted on the training prompts for
                      f = logit(q_max), top-2 margin, entropy;
     q_max            used as-is, no fit (the usual reference);
@@ -18,6 +20,8 @@ predictors of per-slot acceptance on the labelled (uncensored) drafts:
   Cold start (part 3): labelled drafts until the running ECE is under 0.02.
   New-request prior: survival scores for a request with no history.
 
+The bootstrap differences are against the plain reference step (memory=0).
+
 Split: prompts (not rows) are shuffled with a fixed seed; half train, half
 test. Pooled = both datasets; offline fits are then fitted on both training
 halves, and the online predictions are the union of the two per-dataset
@@ -26,8 +30,8 @@ replays (each dataset is its own stream).
     PYTHONPATH=. python benchmarks/estimator_report.py
 
 Writes docs/estimator_report.md, benchmarks/results/estimator_report.json and
-docs/img/estimator_reliability.png. About 17 s of CPU time (single-threaded torch);
-~30 s wall on a busy 2-core machine.
+docs/img/estimator_reliability.png. About 22 s of CPU time (single-threaded torch);
+~40 s wall on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ import numpy as np
 import torch
 
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
-from vllm_av.core.estimator_variants import AccumulatedPrecisionEstimator
 from vllm_av.core.metrics import (
     expected_calibration_error,
     log_loss,
@@ -178,18 +181,22 @@ def replay_online(t: dict, est, feature: str = "logit_q_max") -> dict[str, np.nd
     """Batch-1 replay in trace order: predict a step, then observe it.
 
     Returns per-row predictions and, per prompt's first step, the survival
-    prior the estimator would give a new request (prior_survival)."""
+    prior the estimator would give a new request (prior_survival) and the
+    model's survival at the mean feature (the previous prior_survival)."""
     f = t[feature].astype(np.float32)
     preds = np.empty(f.size)
     prior = np.full(f.size, np.nan)  # filled on first-step rows only
+    model_prior = np.full(f.size, np.nan)
     for s, e in zip(*step_bounds(t)):
         x = torch.from_numpy(f[s:e]).unsqueeze(0)  # [1, n_drafted]
         if s == 0 or t["prompt_idx"][s] != t["prompt_idx"][s - 1]:  # new request
             prior[s:e] = est.prior_survival(e - s).numpy()
+            model = est.predict(est.mean_features[: e - s].unsqueeze(0))[0]
+            model_prior[s:e] = torch.cumprod(model, 0).numpy()
         preds[s:e] = est.predict(x)[0].numpy()
         n_acc = int(t["y"][s:e].sum())  # accepted = labelled 1s (a prefix)
         est.observe(x, num_admitted=torch.tensor([e - s]), num_accepted=torch.tensor([n_acc]))
-    return {"pred": preds, "prior": prior}
+    return {"pred": preds, "prior": prior, "model_prior": model_prior}
 
 
 def replay_batched(t: dict, est, batch: int, feature: str = "logit_q_max") -> np.ndarray:
@@ -246,6 +253,7 @@ def score(t: dict, pred: np.ndarray, rows: np.ndarray) -> dict:
 REFERENCE = (
     # (key, label, feature or None)
     ("online", "online estimator (ours, default), logit(q_max)", None),
+    ("online_plain", "online estimator, memory=0 (plain damped step, reference design)", None),
     ("logit_q_max", "logit(q_max), offline fit", "logit_q_max"),
     ("q_max", "q_max as-is, no fit", None),
     ("top2_margin", "top-2 margin, offline fit", "top2_margin"),
@@ -255,9 +263,10 @@ REFERENCE = (
 )
 
 
-def reference_predictions(t: dict, train: np.ndarray, online: np.ndarray) -> dict:
+def reference_predictions(t: dict, train: np.ndarray, online: np.ndarray,
+                          online_plain: np.ndarray) -> dict:
     """Every reference method's prediction for every row of `t`."""
-    preds = {"online": online, "q_max": t["q_max"].astype(np.float64),
+    preds = {"online": online, "online_plain": online_plain, "q_max": t["q_max"].astype(np.float64),
              "oracle": np.clip(t["exp_accept"].astype(np.float64), 0.0, 1.0)}
     for key, _label, feature in REFERENCE:
         if feature is not None:
@@ -277,21 +286,28 @@ OFFLINE_VARIANTS = (
 )
 
 
+DEFAULT = "default (memory 3000, refit 8, no damping)"
+DEFAULT_PRIOR = "default + prior from other dataset (w, per-position b)"
+PLAIN = "memory=0: plain damped step (refit 8, damping 100; reference design)"
+PLAIN_PRIOR = "memory=0 + prior from other dataset (w, mean b)"
+
+
 def online_variants(other_theta: np.ndarray) -> list[tuple[str, object]]:
     """(label, fresh estimator) pairs; `other_theta` = [w, b_0..b_{K-1}] fitted
     offline on the other dataset (a prior from an earlier run of the pair)."""
     w, b = float(other_theta[0]), [float(v) for v in other_theta[1:]]
+    est = OnlineAcceptanceEstimator
     return [
-        ("default (refit 8, damping 100)", OnlineAcceptanceEstimator(K)),
-        ("default, refit every step (larger early steps)", OnlineAcceptanceEstimator(K, refit_interval=1)),
-        ("default, refit every 2 steps", OnlineAcceptanceEstimator(K, refit_interval=2)),
-        ("default + prior from other dataset (w, mean b)",
-         OnlineAcceptanceEstimator(K, slope=w, intercept=float(np.mean(b)))),
-        ("accumulated precision (memory 3000)", AccumulatedPrecisionEstimator(K)),
-        ("accumulated precision, memory inf", AccumulatedPrecisionEstimator(K, memory=1e30)),
-        ("accumulated precision, prior precision 10", AccumulatedPrecisionEstimator(K, ridge=10.0)),
-        ("accumulated precision + prior from other dataset",
-         AccumulatedPrecisionEstimator(K, slope=w, intercept=b)),
+        (DEFAULT, est(K)),
+        ("default, memory inf", est(K, memory=float("inf"))),
+        ("default, prior precision (ridge) 10", est(K, ridge=10.0)),
+        ("default + damping 100 (forgotten label counts)", est(K, damping=100.0)),
+        ("default, refit every step", est(K, refit_interval=1)),
+        (DEFAULT_PRIOR, est(K, slope=w, intercept=b)),
+        (PLAIN, est(K, memory=0)),
+        ("memory=0, refit every step (larger early steps)", est(K, memory=0, refit_interval=1)),
+        ("memory=0, refit every 2 steps", est(K, memory=0, refit_interval=2)),
+        (PLAIN_PRIOR, est(K, memory=0, slope=w, intercept=float(np.mean(b)))),
     ]
 
 
@@ -330,16 +346,23 @@ def prompt_bootstrap(t: dict, p_new: np.ndarray, p_base: np.ndarray, seed: int =
     return {"diff": float(diff.mean()), "ci95": [float(v) for v in np.percentile(boot, [2.5, 97.5])]}
 
 
-def new_request_priors(t: dict, prior_est: np.ndarray, prior_acc: np.ndarray) -> dict:
+def new_request_priors(t: dict, replays: dict[str, dict]) -> dict:
     """Survival priors for a request with no history, scored on each prompt's
     first step: Brier score of S_i against 'slots 0..i all accepted' and the
     mean error of the expected accepted length sum_i S_i."""
     starts, ends = step_bounds(t)
     pid, pos, lab = t["prompt_idx"], t["position"], t["labelled"]
     first = [(s, e) for s, e in zip(starts, ends) if s == 0 or pid[s] != pid[s - 1]]
-    out = {"upstream 1.0": [], "default estimator prior_survival": [],
-           "accumulated-precision estimator prior_survival": [],
-           "running per-position acceptance (numpy reference)": []}
+    named = {  # the replays' priors, by the name they get in the table
+        # The observed rates do not depend on the step rule (memory=0 keeps
+        # them over DEFAULT_MEMORY labels too), so one row covers both.
+        "prior_survival (observed rates, memory 3000)": replays["default"]["prior"],
+        "model at mean feature, default fit": replays["default"]["model_prior"],
+        "model at mean feature, memory=0 fit (previous prior_survival)":
+            replays["plain"]["model_prior"],
+    }
+    out = {name: [] for name in ["upstream 1.0", *named,
+                                 "running per-position acceptance (numpy reference)"]}
     for s, e in first:
         reached = np.cumprod(t["y"][s:e])  # slot i and all before it accepted
         # Running conditional acceptance per position over the earlier prompts
@@ -347,8 +370,7 @@ def new_request_priors(t: dict, prior_est: np.ndarray, prior_acc: np.ndarray) ->
         rate = [t["y"][:s][lab[:s] & (pos[:s] == i)].mean()
                 if (lab[:s] & (pos[:s] == i)).any() else 1.0 for i in range(e - s)]
         cands = {"upstream 1.0": np.ones(e - s),
-                 "default estimator prior_survival": prior_est[s:e],
-                 "accumulated-precision estimator prior_survival": prior_acc[s:e],
+                 **{name: prior[s:e] for name, prior in named.items()},
                  "running per-position acceptance (numpy reference)": np.cumprod(rate)}
         for name, surv in cands.items():
             out[name].append((np.mean((surv - reached) ** 2), surv.sum() - reached.sum()))
@@ -426,13 +448,18 @@ def main() -> None:
                 for d in DATASETS}
 
     log("[2/6] reference methods (online replay + offline fits)")
-    online = {d: replay_online(traces[d], OnlineAcceptanceEstimator(K)) for d in DATASETS}
-    online["pooled"] = {"pred": np.concatenate([online[d]["pred"] for d in DATASETS])}
+    online = {d: {"default": replay_online(traces[d], OnlineAcceptanceEstimator(K)),
+                  "plain": replay_online(traces[d], OnlineAcceptanceEstimator(K, memory=0))}
+              for d in DATASETS}
+    online["pooled"] = {m: {"pred": np.concatenate([online[d][m]["pred"] for d in DATASETS])}
+                        for m in ("default", "plain")}
     ref_scores, ref_preds, online_all = {}, {}, {}
     for d, t in traces.items():
-        ref_preds[d] = reference_predictions(t, ~tests[d], online[d]["pred"])
+        ref_preds[d] = reference_predictions(t, ~tests[d], online[d]["default"]["pred"],
+                                             online[d]["plain"]["pred"])
         ref_scores[d] = {k: score(t, p, tests[d]) for k, p in ref_preds[d].items()}
-        online_all[d] = score(t, online[d]["pred"], np.ones(t["y"].size, bool))
+        online_all[d] = {m: score(t, online[d][m]["pred"], np.ones(t["y"].size, bool))
+                         for m in ("default", "plain")}
 
     log("[3/6] improvements: offline feature sets (fit on train prompts)")
     offline_imp = {d: {label: score(traces[d], fit_predict(traces[d], ~tests[d], feats, pps, shr)[0],
@@ -448,14 +475,12 @@ def main() -> None:
         for label, est in online_variants(full_fit[other]):
             replay = replay_online(t, est)
             p = online_preds[d][label] = replay["pred"]
-            if label == "accumulated precision (memory 3000)":
-                online[d]["prior_accumulated"] = replay["prior"]
             everything = np.ones(t["y"].size, bool)
             online_imp[d][label] = {"test": score(t, p, tests[d])["overall"],
                                     "all": score(t, p, everything)["overall"]}
         for b in BATCH_SIZES:
             for label, est in (("default", OnlineAcceptanceEstimator(K)),
-                               ("accumulated precision", AccumulatedPrecisionEstimator(K))):
+                               ("memory=0", OnlineAcceptanceEstimator(K, memory=0))):
                 p = replay_batched(t, est, b)
                 online_imp[d][f"batch {b}: {label}"] = {
                     "all": score(t, p, np.ones(t["y"].size, bool))["overall"]}
@@ -463,19 +488,15 @@ def main() -> None:
     for a, b in (DATASETS, DATASETS[::-1]):
         t = concat(traces[a], traces[b])
         second = np.r_[np.zeros(traces[a]["y"].size, bool), np.ones(traces[b]["y"].size, bool)]
-        for label, est in (("default", OnlineAcceptanceEstimator(K)),
-                           ("accumulated precision (memory 3000)", AccumulatedPrecisionEstimator(K)),
-                           ("accumulated precision, memory inf",
-                            AccumulatedPrecisionEstimator(K, memory=1e30))):
+        for label, est in (("default (memory 3000)", OnlineAcceptanceEstimator(K)),
+                           ("default, memory inf", OnlineAcceptanceEstimator(K, memory=float("inf"))),
+                           ("memory=0", OnlineAcceptanceEstimator(K, memory=0))):
             p = replay_online(t, est)["pred"]
             drift[f"{a} then {b}: {label}"] = score(t, p, second)["overall"]
 
     log("[5/6] cold start and new-request priors")
     cold = {}
-    cold_labels = ("default (refit 8, damping 100)",
-                   "default + prior from other dataset (w, mean b)",
-                   "accumulated precision (memory 3000)",
-                   "accumulated precision + prior from other dataset")
+    cold_labels = (PLAIN, PLAIN_PRIOR, DEFAULT, DEFAULT_PRIOR)
     for d in DATASETS:
         t, lab = traces[d], traces[d]["labelled"]
         soft = np.clip(t["exp_accept"][lab].astype(np.float64), 0, 1)
@@ -502,10 +523,9 @@ def main() -> None:
                 "soft_first_by_order": firsts,
             }
     boot = {d: {label: prompt_bootstrap(traces[d], online_preds[d][label],
-                                        online_preds[d]["default (refit 8, damping 100)"])
+                                        online_preds[d][PLAIN])
                 for label in cold_labels[1:]} for d in DATASETS}
-    priors = {d: new_request_priors(traces[d], online[d]["prior"], online[d]["prior_accumulated"])
-              for d in DATASETS}
+    priors = {d: new_request_priors(traces[d], online[d]) for d in DATASETS}
 
     log("[6/6] writing outputs")
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -525,11 +545,10 @@ def main() -> None:
     curves = {}
     for d, t in traces.items():
         rows = tests[d] & t["labelled"]
-        acc = (np.concatenate([online_preds[x]["accumulated precision (memory 3000)"] for x in DATASETS])
-               if d == "pooled" else online_preds[d]["accumulated precision (memory 3000)"])
         curves[d] = {"q_max, no fit": (ref_preds[d]["q_max"][rows], t["y"][rows]),
-                     "online, default": (ref_preds[d]["online"][rows], t["y"][rows]),
-                     "online, accumulated precision": (acc[rows], t["y"][rows]),
+                     "online, default (memory 3000)": (ref_preds[d]["online"][rows], t["y"][rows]),
+                     "online, memory=0 (reference step)":
+                         (ref_preds[d]["online_plain"][rows], t["y"][rows]),
                      "logit(q_max), offline fit": (ref_preds[d]["logit_q_max"][rows], t["y"][rows])}
     plot_reliability(curves, Path(args.png))
     log(f"done in {time.time() - t0:.1f} s: {args.md}, {args.json}, {args.png}")
@@ -560,7 +579,9 @@ def render_markdown(date, command, ref_scores, online_all, offline_imp, online_i
                 md_table(["method", "AUC", "log-loss", "ECE", "n"],
                          [overall_row(label, s[key]["overall"]) for key, label, _ in REFERENCE]
                          + [overall_row("online (ours, default), all prompts of the stream",
-                                        online_all[d]["overall"])])]
+                                        online_all[d]["default"]["overall"]),
+                            overall_row("online, memory=0 (reference design), all prompts",
+                                        online_all[d]["plain"]["overall"])])]
     out += ["", "## 1b. Per position (AUC / log-loss / ECE), held-out prompts"]
     for d, s in ref_scores.items():
         out += ["", f"### {d}", "", per_position_table(s)]
@@ -585,7 +606,8 @@ def render_markdown(date, command, ref_scores, online_all, offline_imp, online_i
         rows.append(row)
     out.append(md_table(["estimator"] + [f"{d} {m}" for d in DATASETS
                                          for m in ("test LL", "all AUC", "all LL", "all ECE")], rows))
-    out += ["", "Batch-1 log-loss difference against the default over all labelled drafts,",
+    out += ["", "Batch-1 log-loss difference against the plain reference step (memory=0) over",
+            "all labelled drafts,",
             f"with a 95% interval from {BOOTSTRAP} prompt-level bootstrap resamples:", "",
             md_table(["estimator"] + [f"{d} {m}" for d in DATASETS for m in ("diff", "95% CI")],
                      [[label] + [v for d in DATASETS for v in
@@ -621,10 +643,23 @@ def render_markdown(date, command, ref_scores, online_all, offline_imp, online_i
                      o["first_below"], o["share_below_after"]])
     out.append(md_table(["dataset", "estimator", "soft: first", "soft: share after", "soft: first, orders",
                          "hard: first", "hard: share after"], rows))
+    first = lambda d, label: cold[d][label]["soft"]["first_below"]
+    orders = lambda d, label: ", ".join("-" if f is None else str(f)
+                                        for f in cold[d][label]["soft_first_by_order"])
+    out += ["", f"With the default (memory 3000) the running ECE first drops under {COLD_THRESHOLD}",
+            f"after {first('humaneval', DEFAULT)} labelled drafts on HumanEval and "
+            f"{first('mtbench', DEFAULT)} on MT-Bench (trace order;",
+            f"all orders: {orders('humaneval', DEFAULT)} and {orders('mtbench', DEFAULT)}), against "
+            f"{first('humaneval', PLAIN)} and {first('mtbench', PLAIN)}",
+            f"(orders: {orders('humaneval', PLAIN)} and {orders('mtbench', PLAIN)}) for the plain "
+            "reference step (memory=0)."]
 
     out += ["", "## 4. Prior survival for a new request (each prompt's first step)", "",
             "Brier score of S_i against 'slots 0..i all accepted', and the error of the",
-            "expected accepted length sum_i S_i (bias and mean absolute error, tokens).", ""]
+            "expected accepted length sum_i S_i (bias and mean absolute error, tokens).",
+            "prior_survival = cumprod of the observed per-position acceptance rates (the model",
+            "at the mean feature where a position has no labels); 'model at mean feature' =",
+            "cumprod of sigmoid(w * mean_f_i + b_i), the previous prior_survival.", ""]
     rows = [[d, name, v["brier"], v["accepted_len_bias"], v["accepted_len_mae"], v["n_prompts"]]
             for d in DATASETS for name, v in priors[d].items()]
     out.append(md_table(["dataset", "prior", "Brier", "len bias", "len MAE", "prompts"], rows))

@@ -3,9 +3,17 @@ import math
 import pytest
 import torch
 
-from vllm_av.core.estimator import COEF_CLIP, OnlineAcceptanceEstimator
+from vllm_av.core.estimator import (
+    COEF_CLIP,
+    DEFAULT_DAMPING,
+    DEFAULT_MEMORY,
+    OnlineAcceptanceEstimator,
+)
 
 K = 5
+# The default step rule (running precision) and the reference one (memory=0:
+# each window alone, damped by n / (n + c)); both must keep the contract.
+MODES = [pytest.param(DEFAULT_MEMORY, id="precision"), pytest.param(0.0, id="plain")]
 
 
 def _simulate_step(g, w, b, R, num_admitted=None):
@@ -22,14 +30,27 @@ def _simulate_step(g, w, b, R, num_admitted=None):
     return f, num_admitted, num_accepted
 
 
-def test_estimator_learns_known_synthetic_coefficients():
+@pytest.mark.parametrize("memory", MODES)
+def test_estimator_learns_known_synthetic_coefficients(memory):
     g = torch.Generator().manual_seed(0)
     w, b = 0.6, [1.5, 0.8, 0.3, -0.2, -0.6]
-    est = OnlineAcceptanceEstimator(K)
+    est = OnlineAcceptanceEstimator(K, memory=memory)
     for _ in range(400):
         est.observe(*_simulate_step(g, w, b, 64))
     assert abs(est.slope - w) < 0.06
     assert max(abs(x - y) for x, y in zip(est.intercepts, b)) < 0.25
+
+
+def test_default_converges_at_batch_one():
+    # Batch 1 is where the plain damped step jitters (25-40 labels a window);
+    # the running precision must still settle near the truth.
+    g = torch.Generator().manual_seed(0)
+    w, b = 0.6, [0.7, 0.8, 1.0, 1.2, 1.4]
+    est = OnlineAcceptanceEstimator(K)
+    for _ in range(4000):
+        est.observe(*_simulate_step(g, w, b, 1, torch.tensor([K])))
+    assert est.slope == pytest.approx(w, abs=0.1)
+    assert est.intercepts[0] == pytest.approx(b[0], abs=0.2)
 
 
 def test_labels_follow_first_rejection_censoring():
@@ -42,35 +63,84 @@ def test_labels_follow_first_rejection_censoring():
     st = est.statistics()
     # With f = 0 and prior intercepts 0, p = 0.5 everywhere: each label adds
     # y - 0.5 to its intercept's gradient and 0.25 to its curvature.
-    torch.testing.assert_close(st["count"][1:], torch.tensor([2.0, 2.0, 1.0, 0.0], dtype=torch.float64))
+    f64 = dict(dtype=torch.float64)
+    torch.testing.assert_close(st["count"][1:], torch.tensor([2.0, 2.0, 1.0, 0.0], **f64))
     assert st["count"][0].item() == 5
-    torch.testing.assert_close(st["gradient"][1:], torch.tensor([1.0, 1.0, -0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(st["accepted"], torch.tensor([2.0, 2.0, 0.0, 0.0], **f64))
+    torch.testing.assert_close(st["gradient"][1:], torch.tensor([1.0, 1.0, -0.5, 0.0], **f64))
     torch.testing.assert_close(
-        torch.diagonal(st["hessian"])[1:], torch.tensor([0.5, 0.5, 0.25, 0.0], dtype=torch.float64)
+        torch.diagonal(st["hessian"])[1:], torch.tensor([0.5, 0.5, 0.25, 0.0], **f64)
     )
 
 
-def test_refit_happens_every_interval_and_clears_statistics():
-    est = OnlineAcceptanceEstimator(3, refit_interval=4)
+@pytest.mark.parametrize("memory", MODES)
+def test_refit_happens_every_interval_and_clears_window_statistics(memory):
+    est = OnlineAcceptanceEstimator(3, refit_interval=4, memory=memory)
     f = torch.ones(8, 3)
     before = est.coefficients
     for step in range(1, 9):
         est.observe(f, torch.full((8,), 3), torch.full((8,), 1))
+        assert est.num_refits == step // 4
         if step % 4:
             assert est.statistics()["count"][0].item() > 0
-            assert est.num_refits == step // 4
         else:
-            assert est.statistics()["count"].abs().sum().item() == 0
-            assert est.num_refits == step // 4
+            st = est.statistics()
+            for key in ("hessian", "gradient", "count", "accepted"):
+                assert st[key].abs().sum().item() == 0, key
+            # The running precision is separate state: kept (memory > 0) or
+            # never used (memory 0).
+            assert (st["precision"].abs().sum().item() > 0) == (memory > 0)
     assert not torch.equal(before, est.coefficients)
 
 
+def _window(est, g, R=6):
+    f, adm, acc = _simulate_step(g, 0.8, [1.0, 0.5, 0.0, -0.5, -1.0], R, torch.full((R,), K))
+    est.observe(f, adm, acc)
+    return est.statistics()
+
+
+@pytest.mark.parametrize(
+    "memory,damping",
+    [(0.0, None), (0.0, 10.0), (50.0, None), (50.0, 20.0)],
+    ids=["plain", "plain-damping10", "precision", "precision-damping20"],
+)
+def test_newton_step_follows_the_documented_rule(memory, damping):
+    # Two windows, so the precision rule's forgetting and the damping counts
+    # are exercised; the expected step is recomputed from the statistics.
+    g = torch.Generator().manual_seed(3)
+    est = OnlineAcceptanceEstimator(K, refit_interval=10**6, memory=memory, damping=damping,
+                                    max_step=math.inf)
+    c = (DEFAULT_DAMPING if memory == 0 else 0.0) if damping is None else damping
+    eye = torch.eye(K + 1, dtype=torch.float64)
+    precision = torch.zeros(K + 1, K + 1, dtype=torch.float64)
+    label_n = torch.zeros(K, dtype=torch.float64)
+    for _ in range(2):
+        st = _window(est, g)
+        theta = est.coefficients.double()
+        if memory > 0:
+            forget = math.exp(-st["count"][0].item() / memory)
+            precision = forget * precision + st["hessian"]
+            label_n = forget * label_n + st["count"][1:]
+            behind = torch.cat([label_n.sum().reshape(1), label_n])
+            delta = torch.linalg.solve(precision + eye, st["gradient"])
+        else:
+            behind = st["count"]
+            delta = torch.linalg.solve(st["hessian"] + eye, st["gradient"])
+        if c > 0:
+            delta = delta * behind / (behind + c)
+        est.refit()
+        torch.testing.assert_close(est.coefficients.double(), theta + delta, rtol=1e-5, atol=1e-5)
+        if memory > 0:
+            torch.testing.assert_close(est.statistics()["precision"], precision)
+
+
+@pytest.mark.parametrize("memory", MODES)
 @pytest.mark.parametrize(
     "case",
     ["nothing_verified", "everything_accepted", "huge_features", "nan_features", "position_never_seen"],
 )
-def test_degenerate_rounds_never_produce_nan_or_inf(case):
-    est = OnlineAcceptanceEstimator(K, refit_interval=1)
+def test_degenerate_rounds_never_produce_nan_or_inf(case, memory):
+    est = OnlineAcceptanceEstimator(K, refit_interval=1, memory=memory)
     R = 16
     for i in range(50):
         f = torch.randn(R, K)
@@ -92,8 +162,10 @@ def test_degenerate_rounds_never_produce_nan_or_inf(case):
         coef = est.coefficients
         assert torch.isfinite(coef).all(), (case, i, coef)
         assert coef.abs().max() <= COEF_CLIP
+        assert torch.isfinite(est.statistics()["precision"]).all()
     assert torch.isfinite(est.predict(torch.randn(4, K) * 1e6)).all()
-    assert torch.isfinite(est.prior_survival()).all()
+    prior = est.prior_survival()
+    assert torch.isfinite(prior).all() and prior.min() >= 0 and prior.max() <= 1
 
 
 def test_prior_is_q_max_before_any_observation():
@@ -102,6 +174,15 @@ def test_prior_is_q_max_before_any_observation():
     f = torch.log(q / (1 - q))
     torch.testing.assert_close(est.predict(f), q)
     assert est.slope == 1.0 and est.intercepts == [0.0, 0.0, 0.0]
+
+
+def test_per_position_prior_intercepts():
+    est = OnlineAcceptanceEstimator(4, intercept=[0.1, 0.2, 0.3, 0.4], slope=0.5)
+    assert est.slope == 0.5 and est.intercepts == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    with pytest.raises(ValueError, match="intercept needs"):
+        OnlineAcceptanceEstimator(4, intercept=[0.0, 1.0])
+    with pytest.raises(ValueError, match="memory"):
+        OnlineAcceptanceEstimator(4, memory=-1.0)
 
 
 def test_prior_survival_is_non_increasing_and_tracks_observed_acceptance():
@@ -113,6 +194,40 @@ def test_prior_survival_is_non_increasing_and_tracks_observed_acceptance():
         est.observe(*_simulate_step(g, 0.0, [-3.0] * K, 32, torch.full((32,), K)))
     # Acceptance ~5% per position: the prior for a new request must drop.
     assert est.prior_survival()[0].item() < 0.15 < prior0[0].item()
+
+
+def test_prior_survival_is_cumprod_of_observed_rates():
+    est = OnlineAcceptanceEstimator(K, refit_interval=1000)
+    f = torch.zeros(2, K)
+    # Request 0 accepts 2 then is rejected at slot 2; request 1 is rejected at slot 0.
+    est.observe(f, torch.tensor([K, K]), torch.tensor([2, 0]))
+    s = est.prior_survival()
+    assert s[0].item() == pytest.approx(0.5)  # slot 0: 1 of 2 accepted
+    assert s[1].item() == pytest.approx(0.5 * 1.0)  # slot 1: 1 of 1
+    assert s[2].item() == pytest.approx(0.0)  # slot 2: 0 of 1
+
+
+@pytest.mark.parametrize("memory", [10.0, 0.0], ids=["memory10", "plain"])
+def test_prior_survival_rates_are_forgotten_like_the_precision(memory):
+    est = OnlineAcceptanceEstimator(1, refit_interval=1, memory=memory)
+    f = torch.zeros(10, 1)
+    est.observe(f, torch.ones(10), torch.ones(10))  # 10 labels, all accepted
+    est.observe(f, torch.ones(10), torch.zeros(10))  # 10 labels, all rejected
+    # At the second refit the first window's weight is exp(-10 / memory); the
+    # plain rule (memory 0) keeps the rates over DEFAULT_MEMORY labels.
+    old = math.exp(-10 / (memory or DEFAULT_MEMORY))
+    assert est.prior_survival()[0].item() == pytest.approx(old / (old + 1), rel=1e-5)
+
+
+def test_prior_survival_falls_back_to_the_model_where_no_labels():
+    est = OnlineAcceptanceEstimator(K, refit_interval=1, slope=0.5, intercept=-0.3)
+    f = torch.full((4, K), 3.0)
+    est.observe(f, torch.full((4,), 2), torch.full((4,), 2))  # labels at slots 0-1 only
+    s = est.prior_survival()
+    assert s[0].item() == pytest.approx(1.0) and s[1].item() == pytest.approx(1.0)
+    model = est.predict(est.mean_features.unsqueeze(0))[0]
+    torch.testing.assert_close(s[2:], torch.cumprod(model[2:], 0))
+    assert est.mean_features[:2].tolist() == [3.0, 3.0]
 
 
 def test_predict_accepts_fewer_positions_than_fitted():
