@@ -3,7 +3,8 @@
 vLLM calls `register()` in every process it starts (API server, engine
 core, workers). It checks the installed vLLM against our pin once, then
 applies our patches in a fixed order. `VLLM_AV_IMPL=off` turns the plugin
-off entirely; `VLLM_AV_IMPL=vllm` leaves the flag to vLLM's built-in AV.
+off entirely; `VLLM_AV_IMPL=vllm` leaves the flag to vLLM's built-in AV and
+applies only the fix that makes CPU speculative decoding lossless.
 """
 
 from __future__ import annotations
@@ -54,10 +55,16 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
-    if impl == "vllm":
-        logger.info("vllm-av: leaving enable_adaptive_verification to vLLM")
-        return
     from vllm_av.vllm.patching import apply_patch
 
+    if impl == "vllm":
+        # vLLM's own AV serves the flag; the CPU sampling fix still applies,
+        # so that side-by-side runs compare lossless engines.
+        logger.info("vllm-av: leaving enable_adaptive_verification to vLLM")
+        from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
+
+        for patch in LOSSLESS_PATCHES:
+            apply_patch(patch)
+        return
     for patch in all_patches():
         apply_patch(patch)
