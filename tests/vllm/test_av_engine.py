@@ -41,6 +41,9 @@ def av(tiny_models, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("VLLM_AV_COST_TABLE", steep_cost_table(tmp / "steep.json"))
     monkeypatch_module.setenv("VLLM_AV_METRICS_INTERVAL", "1")
     monkeypatch_module.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
+    # These tests are about admission at full depth (K drafts every step);
+    # tests/vllm/test_adaptive_depth.py covers the depth choice.
+    monkeypatch_module.setenv("VLLM_AV_ADAPTIVE_DEPTH", "0")
     llm = make_llm(
         tiny_models,
         spec={"method": "draft_model", "num_speculative_tokens": K,

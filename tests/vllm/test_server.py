@@ -148,6 +148,7 @@ def test_metrics_expose_av_counters(server):
         assert f"vllm_av:draft_tokens_{name}_total" in values, sorted(values)
     assert values["vllm_av:draft_tokens_drafted_total"] > 0
     assert "vllm_av:budget" in values
+    assert "vllm_av:draft_depth" in values
     assert "vllm_av:estimator_slope" in values
     assert any(k.startswith('vllm_av:estimator_intercept{position="0"}') for k in values)
     assert any(k.startswith('vllm_av:acceptance_observed{position="0"}') for k in values)

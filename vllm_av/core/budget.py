@@ -40,6 +40,21 @@ def size_budget(
         (verify_cost_range(start, stop) is used when present: one slice).
     max_budget: optional cap on B.
     """
+    return best_budget(
+        scores, num_sampling, num_other_tokens, num_drafting_reqs, cost, max_budget
+    )[0]
+
+
+def best_budget(
+    scores,
+    num_sampling: int,
+    num_other_tokens: int,
+    num_drafting_reqs: int,
+    cost,
+    max_budget: int | None = None,
+) -> tuple[int, float]:
+    """`size_budget`, and the expected rate (tokens per ms) at B*: what
+    `AdaptiveVerifier.choose_depth` compares across drafting depths."""
     s = np.asarray(scores).ravel()  # [N]
     # Survival scores come off the device as float32; sorting them in float32
     # is ~2x faster than float64 (SIMD sort) and exact for the values given.
@@ -50,7 +65,8 @@ def size_budget(
     if max_budget is not None:
         n = min(n, max(int(max_budget), 0))
     if n == 0:
-        return 0
+        step = cost.draft_cost(int(num_drafting_reqs)) + cost.verify_cost(int(num_other_tokens))
+        return 0, num_sampling / max(float(step), 1e-12)
     if not np.isfinite(s).all():
         s = np.where(np.isfinite(s), s, 0.0)
     # Only the n largest matter; a full sort of ~2k floats is a few us.
@@ -67,7 +83,8 @@ def size_budget(
     step_cost = cost.draft_cost(int(num_drafting_reqs)) + verify
     # Guard against a zero-cost table (division by zero would give nan/inf).
     rate = gain / np.maximum(step_cost, 1e-12)
-    return int(np.argmax(rate))
+    b = int(np.argmax(rate))
+    return b, float(rate[b])
 
 
-__all__ = ["size_budget"]
+__all__ = ["best_budget", "size_budget"]

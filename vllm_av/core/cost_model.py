@@ -20,6 +20,18 @@ size). Assumptions, and how the tables are read between profiled sizes:
   and we do not invent one (proportional scaling would make a 1-token
   profile predict that 256 tokens cost 256x, far from the memory-bound truth).
 
+Drafting cost by depth (adaptive drafting depth, `AdaptiveVerifier.choose_depth`):
+the `draft` table is one drafting step at the profiled depth K (K drafter
+forwards). `draft_cost_at_depth(r, d, K)` prices a shallower step:
+- with a depth-resolved table (`draft_by_depth`: depth -> curve, profiled at
+  a few depths), linear interpolation in depth between the profiled depths
+  (and linear extrapolation past the deepest two); an autoregressive drafter
+  costs about (one forward) x max(d, 1), and its depth 0 is not free: vLLM's
+  drafter still runs the forward that keeps its KV cache in sync;
+- without one (tables saved before depth resolution, model-free drafters,
+  the simulator's tables), d/K of the K-deep table: one forward per depth,
+  depth 0 free.
+
 Known weaknesses (to be beaten later): one context length, no prefill mix,
 no drift correction.
 """
@@ -129,11 +141,23 @@ def _medians(samples: Mapping[int, Iterable[float]], what: str):
 
 
 class CostModel:
-    """Step cost = draft_cost(num_reqs) + verify_cost(num_tokens), in ms."""
+    """Step cost = draft_cost(num_reqs) + verify_cost(num_tokens), in ms.
 
-    def __init__(self, verify: CostCurve, draft: CostCurve):
+    `draft_by_depth` (optional): drafting-step curves profiled at a few
+    depths, {depth: CostCurve}; see `draft_cost_at_depth`.
+    """
+
+    def __init__(
+        self,
+        verify: CostCurve,
+        draft: CostCurve,
+        draft_by_depth: Mapping[int, CostCurve] | None = None,
+    ):
         self.verify = verify
         self.draft = draft
+        self.draft_by_depth = dict(sorted((int(d), c) for d, c in (draft_by_depth or {}).items()))
+        if any(d < 0 for d in self.draft_by_depth):
+            raise ValueError(f"draft depths must be >= 0, got {list(self.draft_by_depth)}")
 
     @classmethod
     def from_samples(
@@ -142,6 +166,7 @@ class CostModel:
         draft: Mapping[int, Iterable[float]],
         graph_sizes: Iterable[int] = (),
         draft_graph_sizes: Iterable[int] | None = None,
+        draft_by_depth: Mapping[int, Mapping[int, Iterable[float]]] | None = None,
     ) -> "CostModel":
         """Build from timings: `verify` token count -> ms samples, `draft`
         request count -> ms samples; medians are taken per size.
@@ -150,13 +175,22 @@ class CostModel:
         CPU / eager). `draft_graph_sizes`: the drafter's, defaulting to the
         same list (a decoding drafter runs one token per request, so its
         graphs are indexed by request count with the same capture sizes).
+        `draft_by_depth`: depth -> (request count -> ms samples), drafting
+        steps timed at a few depths (optional).
         """
         graph_sizes = list(graph_sizes)
         if draft_graph_sizes is None:
             draft_graph_sizes = graph_sizes
+        draft_graph_sizes = list(draft_graph_sizes)
         vs, vc = _medians(verify, "verify")
         ds, dc = _medians(draft, "draft")
-        return cls(CostCurve(vs, vc, graph_sizes), CostCurve(ds, dc, draft_graph_sizes))
+        by_depth = {}
+        for depth, samples in (draft_by_depth or {}).items():
+            s, c = _medians(samples, f"draft depth {depth}")
+            by_depth[int(depth)] = CostCurve(s, c, draft_graph_sizes)
+        return cls(
+            CostCurve(vs, vc, graph_sizes), CostCurve(ds, dc, draft_graph_sizes), by_depth
+        )
 
     def verify_cost(self, num_tokens):
         """Target forward cost (ms) at `num_tokens` tokens in the step."""
@@ -170,18 +204,51 @@ class CostModel:
         """Drafting cost (ms) of one step for `num_reqs` drafting requests."""
         return self.draft(num_reqs)
 
+    def draft_cost_at_depth(self, num_reqs, depth: int, num_speculative_tokens: int):
+        """Drafting cost (ms) of a step that drafts `depth` tokens for each of
+        `num_reqs` requests, when `draft_cost` is a step at depth
+        `num_speculative_tokens` (K). See the module docstring."""
+        depth, K = int(depth), int(num_speculative_tokens)
+        if depth == K:
+            return self.draft_cost(num_reqs)
+        if not self.draft_by_depth:
+            return self.draft_cost(num_reqs) * (depth / max(K, 1))
+        depths = list(self.draft_by_depth)  # sorted
+        if len(depths) == 1 or depth <= depths[0]:
+            return self.draft_by_depth[depths[0]](num_reqs)
+        # The two profiled depths around `depth` (the deepest two past the end).
+        hi = next((i for i, d in enumerate(depths) if d >= depth), len(depths) - 1)
+        d0, d1 = depths[hi - 1], depths[hi]
+        c0, c1 = self.draft_by_depth[d0](num_reqs), self.draft_by_depth[d1](num_reqs)
+        return np.maximum(c0 + (c1 - c0) * ((depth - d0) / (d1 - d0)), 0.0)
+
+    def at_depth(self, depth: int, num_speculative_tokens: int) -> "CostModel | DepthCost":
+        """This model with drafting priced at `depth` (itself at depth K)."""
+        if int(depth) == int(num_speculative_tokens):
+            return self
+        return DepthCost(self, depth, num_speculative_tokens)
+
     def step_cost(self, num_reqs, num_tokens):
         return self.draft_cost(num_reqs) + self.verify_cost(num_tokens)
 
     def to_json(self) -> str:
-        return json.dumps({"verify": self.verify.to_dict(), "draft": self.draft.to_dict()})
+        d = {"verify": self.verify.to_dict(), "draft": self.draft.to_dict()}
+        if self.draft_by_depth:
+            d["draft_by_depth"] = {str(k): c.to_dict() for k, c in self.draft_by_depth.items()}
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
+        """Tables written by `to_json`, with or without `draft_by_depth`."""
         d = json.loads(text)
+
+        def curve(c: dict) -> CostCurve:
+            return CostCurve(c["sizes"], c["costs"], c["graph_sizes"])
+
         return cls(
-            CostCurve(d["verify"]["sizes"], d["verify"]["costs"], d["verify"]["graph_sizes"]),
-            CostCurve(d["draft"]["sizes"], d["draft"]["costs"], d["draft"]["graph_sizes"]),
+            curve(d["verify"]),
+            curve(d["draft"]),
+            {int(k): curve(c) for k, c in d.get("draft_by_depth", {}).items()},
         )
 
     def summary(self) -> str:
@@ -193,10 +260,31 @@ class CostModel:
             return f"{lo:.0f} {unit} {c.costs[0]:.3g} ms .. {hi:.0f} {unit} {c.costs[-1]:.3g} ms"
 
         graphs = f"graphs <= {v.max_graph_size:.0f}" if v.max_graph_size else "eager"
+        depths = (
+            f", depths {','.join(str(k) for k in self.draft_by_depth)}"
+            if self.draft_by_depth else ""
+        )
         return (
             f"cost model: verify {ends(v, 'tok')} ({v.sizes.size} sizes, {graphs}); "
-            f"draft {ends(d, 'req')} ({d.sizes.size} sizes)"
+            f"draft {ends(d, 'req')} ({d.sizes.size} sizes{depths})"
         )
 
 
-__all__ = ["CostCurve", "CostModel"]
+class DepthCost:
+    """A CostModel view whose drafting step is `depth` tokens deep (what
+    `size_budget` reads: draft_cost, verify_cost, verify_cost_range)."""
+
+    def __init__(self, model: CostModel, depth: int, num_speculative_tokens: int):
+        self.model, self.depth, self.K = model, int(depth), int(num_speculative_tokens)
+
+    def draft_cost(self, num_reqs):
+        return self.model.draft_cost_at_depth(num_reqs, self.depth, self.K)
+
+    def verify_cost(self, num_tokens):
+        return self.model.verify_cost(num_tokens)
+
+    def verify_cost_range(self, start: int, stop: int) -> np.ndarray:
+        return self.model.verify_cost_range(start, stop)
+
+
+__all__ = ["CostCurve", "CostModel", "DepthCost"]

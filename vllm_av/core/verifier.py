@@ -15,9 +15,22 @@ survival is non-increasing along a row and the tie rule ranks earlier
 positions first, so the slots of row r deeper than i (whose features do
 depend on x_i) never outrank slot i.
 
+Adaptive drafting depth (`choose_depth`): before drafting, one depth d in
+0..K for the whole batch, the d that maximises the expected rate
+(N_sampling + sum of the B_d best stale scores cut to depth d) /
+(draft_cost at depth d + verify_cost(T + B_d)), B_d the budget sized at that
+depth. Like the budget, d is a function of stale scores and counts only,
+never of this step's drafts, so it keeps verification lossless.
+
 The class is engine-agnostic (numpy + torch); the vLLM adapter and the
 simulator drive the same object, so the simulator measures the policy that
 ships.
+
+Order of calls per engine step: `begin_step` (the drafts admitted last step
+are now being verified), then `observe` (their outcomes) and
+`choose_depth` / `admit` (next step's drafts) in either order: vLLM's V1
+runner drafts before its bookkeeping for model drafters and after it for
+model-free ones.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_av.core.budget import size_budget
+from vllm_av.core.budget import best_budget, size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
@@ -44,6 +57,11 @@ class VerifierStats:
     accepted: int = 0
     trimmed: int = 0
     last_budget: int = 0
+    # Adaptive depth: the depth of the last step, the steps whose depth was
+    # chosen, and how many of them drafted nothing.
+    last_depth: int = 0
+    depth_steps: int = 0
+    zero_depth_steps: int = 0
     # Per position: sum of predicted conditional acceptance and of observed
     # labels over labelled slots, and the label count (calibration).
     predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -56,6 +74,20 @@ class _Pending:
     features: torch.Tensor  # [K] features of the drafted slots
     conf: np.ndarray  # [K] predicted conditional acceptance
     admitted: int
+
+
+# Exploration (choose_depth): at least one estimator refit window (8 steps)
+# between two full-depth steps, and at most one in R // 2 steps. The
+# estimator learns a position's intercept only from drafts verified there, so
+# a policy that never drafts deep never learns that deep drafts pay (on the
+# traces, conditional acceptance rises with depth) and sticks at depth 1 or
+# 0. Small batches need frequent exploration (few labels per step); at 256
+# requests one step in 128 gives 256 labels per position for about 1/128 of
+# a full drafting step.
+EXPLORE_MIN_INTERVAL = 8
+# Feature (logit(q_max)) given to undrafted slots before any slot at that
+# position was drafted: q_max = 0.88, a confident drafter.
+UNDRAFTED_FEATURE = 2.0
 
 
 class AdaptiveVerifier:
@@ -83,10 +115,83 @@ class AdaptiveVerifier:
         self.selector = selector or select_admitted
         # req_id -> survival row [K] from that request's last drafting step.
         self._stale: dict[str, np.ndarray] = {}
+        # Admitted drafts of the last `admit`, and of the one before it once
+        # `begin_step` says they are being verified.
         self._pending: dict[str, _Pending] = {}
+        self._verifying: dict[str, _Pending] = {}
+        # Running sum and count of drafted features per position [K]; their
+        # mean stands in for the features of slots a shallow step never drafted.
+        self._feat_sum: torch.Tensor | None = None
+        self._feat_n: torch.Tensor | None = None
+        # Depth of the last chosen step (None before the first) and steps
+        # since the last exploration step.
+        self._last_depth: int | None = None
+        self._since_explore = 0
         self.stats = VerifierStats(
-            predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K)
+            last_depth=self.K,
+            predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
         )
+
+    # ---------------------------------------------------------------- depth
+    def choose_depth(
+        self,
+        req_ids: list[str],
+        num_sampling: int,
+        num_other_tokens: int,
+        min_depth: int = 0,
+    ) -> int:
+        """Drafting depth d in 0..K for this step, before anything is drafted.
+
+        req_ids: the requests that will draft (decoding, not in prefill).
+        num_sampling, num_other_tokens: as for `admit`.
+        min_depth: a floor (the vLLM adapter drafts K when a request carries
+            its own seed, so that its output depends on its seed alone).
+
+        For each d the budget B_d is sized from the stale rows cut to depth
+        d, with drafting charged at depth d (`CostModel.draft_cost_at_depth`),
+        and d maximises the expected rate at B_d; ties go to the shallower d.
+        Rows: each request's survival row from its previous drafting step
+        (the estimator's prior for a new request); after a step that drafted
+        nothing every row is a step older, so we take the estimator's prior
+        (its population average) for all, or one bad step would freeze the
+        depth at 0 (no drafts, no new rows, no learning). Every
+        max(EXPLORE_MIN_INTERVAL, R // 2) steps the depth is K (exploration;
+        the budget still decides what is verified). Takes no features: d
+        never depends on this step's drafts.
+        """
+        R = len(req_ids)
+        K = self.K
+        if R == 0:
+            return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
+        self._since_explore += 1
+        if self._since_explore >= max(EXPLORE_MIN_INTERVAL, R // 2):
+            self._since_explore, d = 0, K
+        else:
+            d = self._best_depth(req_ids, num_sampling, num_other_tokens)
+        d = int(min(max(d, min_depth), K))
+        self._last_depth = d
+        s = self.stats
+        s.last_depth = d
+        s.depth_steps += 1
+        s.zero_depth_steps += int(d == 0)
+        return d
+
+    def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
+        R, K = len(req_ids), self.K
+        if self._last_depth == 0:
+            prior = self.estimator.prior_survival(K).float().cpu().numpy()  # [K]
+            rows = np.broadcast_to(prior, (R, K))
+        else:
+            rows = self.stale_scores(req_ids, np.full(R, K)).reshape(R, K)
+        best_d, best_rate = 0, -1.0
+        for d in range(K + 1):
+            _, rate = best_budget(
+                rows[:, :d].ravel(), num_sampling, num_other_tokens, R,
+                self.cost.at_depth(d, K),
+            )
+            if rate > best_rate:
+                best_d, best_rate = d, rate
+        return best_d
 
     # --------------------------------------------------------------- admit
     def stale_scores(self, req_ids: list[str], num_drafted: np.ndarray) -> np.ndarray:
@@ -126,16 +231,19 @@ class AdaptiveVerifier:
         """
         num_drafted = np.asarray(num_drafted, dtype=np.int64)
         R, k = features.shape
+        # Drafter passes this step: the deepest draft (K unless a depth was chosen).
+        depth = int(num_drafted.max()) if R else 0
         budget = size_budget(
             self.stale_scores(req_ids, num_drafted),
             num_sampling=num_sampling,
             num_other_tokens=num_other_tokens,
             num_drafting_reqs=int((num_drafted > 0).sum()),
-            cost=self.cost,
+            cost=self.cost.at_depth(depth, self.K),
         )
+        drafted_t = torch.as_tensor(num_drafted, device=features.device)
+        features = self._fill_undrafted(features, drafted_t)
         conf = self.estimator.predict(features)  # [R, k]
         surv = survival(conf)  # [R, k]
-        drafted_t = torch.as_tensor(num_drafted, device=features.device)
         admitted = self.selector(surv, drafted_t, budget).cpu().numpy()  # [R]
 
         surv_np = surv.float().cpu().numpy()
@@ -155,7 +263,38 @@ class AdaptiveVerifier:
         s.last_budget = int(budget)
         return admitted
 
+    def _fill_undrafted(self, features: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
+        """Features [R, k] with slots past each row's draft replaced by the
+        running mean feature of drafted slots at that position.
+
+        Those slots were never drafted (a shallow step, a short model-free
+        draft) and their stored features are placeholders; the mean makes
+        next step's stale row beyond them the estimator's typical value, not
+        information the drafter never produced. Drafted slots are unchanged,
+        so admission is not affected. On the features' device, no sync.
+        """
+        R, k = features.shape
+        drafted = torch.arange(k, device=features.device) < num_drafted[:, None]  # [R, k]
+        if self._feat_sum is None or self._feat_sum.device != features.device:
+            self._feat_sum = torch.zeros(k, dtype=torch.float64, device=features.device)
+            self._feat_n = torch.zeros(k, dtype=torch.float64, device=features.device)
+        self._feat_sum += torch.where(drafted, features, 0.0).sum(0, dtype=torch.float64)
+        self._feat_n += drafted.sum(0, dtype=torch.float64)
+        mean = torch.where(
+            self._feat_n > 0, self._feat_sum / self._feat_n.clamp(min=1.0), UNDRAFTED_FEATURE
+        ).to(features.dtype)  # [k]
+        return torch.where(drafted, features, mean)
+
     # ------------------------------------------------------------- observe
+    def begin_step(self) -> None:
+        """The drafts admitted so far are being verified in this step: the
+        next `observe` reads them, the next `admit` starts a new set. Without
+        it an engine that drafts before its bookkeeping (vLLM's V1 runner
+        with model drafters) would pair this step's outcomes with the
+        features of the drafts it has just admitted for the next step."""
+        self._verifying = self._pending
+        self._pending = {}
+
     def observe(
         self,
         req_ids: list[str],
@@ -176,7 +315,7 @@ class AdaptiveVerifier:
         rows, n_ver, n_acc = [], [], []
         s = self.stats
         for r, rid in enumerate(req_ids):
-            pending = self._pending.pop(rid, None)
+            pending = self._verifying.pop(rid, None)
             if pending is None or num_verified[r] <= 0:
                 continue
             v = int(min(num_verified[r], pending.admitted))
@@ -205,3 +344,4 @@ class AdaptiveVerifier:
         for rid in req_ids:
             self._stale.pop(rid, None)
             self._pending.pop(rid, None)
+            self._verifying.pop(rid, None)

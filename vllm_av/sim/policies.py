@@ -15,7 +15,7 @@ from features and past outcomes alone.
 - `ShippedAV`: drives `vllm_av.core.verifier.AdaptiveVerifier`, the object
   the vLLM adapter uses (prior survival for new requests from the estimator).
 - `AdaptiveDepthAV`: ShippedAV plus a drafting depth d <= K chosen per step
-  from the stale survival rows (see its docstring).
+  by `AdaptiveVerifier.choose_depth` (the code the vLLM adapter runs).
 - `Oracle`: knows each block's accepted run; drafts and verifies only
   accepted drafts, and per step picks how many of them to take (earliest
   positions first) to maximise tokens per ms, like the budget sizer would
@@ -86,6 +86,7 @@ class ShippedAV(Policy):
         return drafted, np.asarray(admitted, dtype=np.int64)
 
     def observe(self, req_ids, admitted, accepted):
+        self.verifier.begin_step()  # the drafts just admitted are verified now
         self.verifier.observe(req_ids, admitted, accepted)
 
     def forget(self, req_ids):
@@ -127,105 +128,26 @@ class ReferenceAV(Policy):
             self.stale.pop(r, None)
 
 
-class _DepthScaledCost:
-    """A CostModel view whose drafting step is `depth` forwards, not K."""
-
-    def __init__(self, model, K: int):
-        self.model, self.K, self.depth = model, K, K
-
-    def draft_cost(self, num_reqs):
-        if self.depth == 0:
-            return 0.0 * np.asarray(num_reqs, dtype=np.float64)
-        return self.model.draft_cost(num_reqs) * (self.depth / self.K)
-
-    def verify_cost(self, num_tokens):
-        return self.model.verify_cost(num_tokens)
-
-
-class AdaptiveDepthAV(Policy):
-    """Ours, plus a per-step drafting depth d in 0..K (the same d for all).
-
-    Before drafting, for each d: B_d = size_budget(stale survival rows cut to
-    depth d, drafting cost d/K of the table), and its expected rate
-    (R + sum of the B_d best stale scores) / (draft_d + verify(R + B_d));
-    draft the best d, then admit with the shipped verifier (whose sizer is
-    charged the depth-d drafting cost). Undrafted slots have no features: we
-    give them the running mean feature of drafted slots at that position, so
-    next step's stale rows beyond d are the estimator's typical value, not
-    information the drafter never produced. After a step that drafted
-    nothing every row is a step older; we then size from the estimator's
-    prior survival (its population average) instead, otherwise one bad step
-    would freeze the depth at 0 (no drafts, no new rows, no learning).
-    Exploration: every max(8, R // 2) steps the whole batch drafts all K
-    (admission still by the budget). The estimator learns a position's
-    intercept only from verified drafts there, so a policy that never drafts
-    deep never learns that deep drafts pay (on the traces conditional
-    acceptance rises with depth) and sticks at depth 1. Small batches need
-    frequent exploration (few labels per step); at 256 requests one step in
-    128 gives 256 labels per position for about 1/128 of a full drafting step.
-    """
-
-    # At least one refit window (8 steps) between exploration steps.
-    EXPLORE_MIN_INTERVAL = 8
+class AdaptiveDepthAV(ShippedAV):
+    """Ours plus a per-step drafting depth d in 0..K (the same d for all):
+    `AdaptiveVerifier.choose_depth` before drafting (stale survival rows,
+    drafting charged at depth d, periodic full-depth exploration; see its
+    docstring), then `admit` as in ShippedAV on the d drafted slots."""
 
     name = "ours_adaptive_depth"
 
-    def __init__(self, K: int, step_cost: StepCost):
-        self.K = K
-        self.cost = _DepthScaledCost(step_cost.model, K)
-        self.verifier = AdaptiveVerifier(K, self.cost)
-        self.feat_sum = np.zeros(K)
-        self.feat_n = np.zeros(K)
-        self.depths: list[int] = []
-        self.since_explore = 0
-
-    def _choose_depth(self, req_ids) -> int:
-        R = len(req_ids)
-        if self.depths and self.depths[-1] == 0:
-            prior = self.verifier.estimator.prior_survival(self.K).numpy()
-            rows = np.broadcast_to(prior, (R, self.K))
-        else:
-            rows = self.verifier.stale_scores(req_ids, np.full(R, self.K)).reshape(R, self.K)
-        best_d, best_rate = 0, -1.0
-        for d in range(self.K + 1):
-            self.cost.depth = d
-            s = rows[:, :d].ravel()
-            B = size_budget(s, R, R, R if d else 0, self.cost)
-            gain = R + (np.sort(s)[::-1][:B].sum() if B else 0.0)
-            rate = gain / max(float(self.cost.draft_cost(R) + self.cost.verify_cost(R + B)), 1e-12)
-            if rate > best_rate:
-                best_d, best_rate = d, rate
-        return best_d
-
     def plan(self, req_ids, features, true_run):
         R = len(req_ids)
-        interval = max(self.EXPLORE_MIN_INTERVAL, R // 2)
-        self.since_explore += 1
-        if self.since_explore >= interval:
-            self.since_explore, d = 0, self.K
-        else:
-            d = self._choose_depth(req_ids)
-        self.cost.depth = d
-        self.depths.append(d)
+        d = self.verifier.choose_depth(req_ids, num_sampling=R, num_other_tokens=R)
         drafted = np.full(R, d, dtype=np.int64)
         if d == 0:
             return drafted, drafted.copy()
-        self.feat_sum[:d] += features[:, :d].sum(0)
-        self.feat_n[:d] += R
-        mean = np.where(self.feat_n > 0, self.feat_sum / np.maximum(self.feat_n, 1), 2.0)
-        feats = features.copy()
-        feats[:, d:] = mean[d:].astype(np.float32)
+        # The trace has features for all K slots; admit reads only the d
+        # drafted ones (the rest are filled with running means).
         admitted = self.verifier.admit(
-            req_ids, torch.from_numpy(feats), drafted, num_sampling=R, num_other_tokens=R
+            req_ids, torch.from_numpy(features), drafted, num_sampling=R, num_other_tokens=R
         )
         return drafted, np.asarray(admitted, dtype=np.int64)
-
-    def observe(self, req_ids, admitted, accepted):
-        if self.cost.depth:
-            self.verifier.observe(req_ids, admitted, accepted)
-
-    def forget(self, req_ids):
-        self.verifier.forget(req_ids)
 
 
 class Oracle(Policy):

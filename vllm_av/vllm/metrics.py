@@ -29,6 +29,9 @@ def snapshot(verifier) -> dict:
         "accepted": s.accepted,
         "trimmed": s.trimmed,
         "budget": s.last_budget,
+        "depth": s.last_depth,
+        "depth_steps": s.depth_steps,
+        "zero_depth_steps": s.zero_depth_steps,
         "slope": est.slope,
         "intercepts": est.intercepts,
         "predicted": s.predicted.tolist(),
@@ -77,6 +80,19 @@ class AVCollector:
         yield GaugeMetricFamily(
             f"{PREFIX}budget", "Verification budget (draft slots) of the last step",
             value=snap["budget"],
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}draft_depth",
+            "Drafting depth (draft tokens per request) chosen for the last step",
+            value=snap.get("depth", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}depth_steps", "Steps whose drafting depth was chosen adaptively",
+            value=snap.get("depth_steps", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}zero_depth_steps", "Steps that chose to draft nothing (depth 0)",
+            value=snap.get("zero_depth_steps", 0),
         )
         yield GaugeMetricFamily(
             f"{PREFIX}estimator_slope", "Shared slope of the acceptance estimator",

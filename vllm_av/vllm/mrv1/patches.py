@@ -3,9 +3,11 @@
 Flow on the V1 runner with synchronous scheduling (the CPU backend always
 schedules synchronously in vLLM 0.32):
 
-  step t  : target forward + rejection sampling; the drafter proposes K
-            tokens per request and, through our proposer patch, we record a
-            lossless feature per draft slot.
+  step t  : target forward + rejection sampling; with adaptive depth,
+            `AdaptiveVerifier.choose_depth` picks the drafting depth d <= K
+            from stale scores; the drafter proposes d tokens per request
+            and, through our proposer patch, we record a lossless feature
+            per draft slot.
             -> `AdaptiveVerifier.admit` sizes the budget from one-step-old
             scores and admits a prefix of each draft; the drafts handed to
             the scheduler are cut to that prefix, so trimmed drafts never get
@@ -20,6 +22,7 @@ crosses a process boundary); what must reach the workers (our options) is in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -35,7 +38,9 @@ from vllm_av.vllm.patching import VllmPatch
 logger = logging.getLogger("vllm.vllm_av")
 
 _AV_ATTR = "_vllm_av_verifier"
+_OPTIONS_ATTR = "_vllm_av_options"
 _FEATURES_ATTR = "_vllm_av_features"
+_PROPOSE_STEPS_ATTR = "_vllm_av_propose_steps"
 
 
 def verifier_of(runner):
@@ -95,18 +100,28 @@ class DraftFeaturePatch(VllmPatch):
 
 
 class RunnerAdmitPatch(VllmPatch):
-    """Admit a prefix of each draft before it is scheduled.
+    """Choose the drafting depth, then admit a prefix of each draft before
+    it is scheduled.
 
     Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids
-    Why: vLLM 0.32's V1 runner verifies every draft token; past the knee of
-        the step-cost curve the deep, mostly rejected slots cost more than
-        they return.
-    How: arm the proposer's feature recording, call the original, then run
-        `AdaptiveVerifier.admit` and return the drafts cut to the admitted
-        prefix as lists (the form the V1 runner already hands to the
-        scheduler for CPU-side drafters), so trimmed drafts take no KV slot
-        and no target compute.
-    Upstream: an admission hook between drafting and scheduling in V1.
+    Why: vLLM 0.32's V1 runner drafts K tokens per request and verifies
+        every draft; past the knee of the step-cost curve the deep, mostly
+        rejected slots cost more than they return, and with a draft model
+        the K drafter forwards alone can make speculation slower than none.
+    How: with adaptive depth (option `adaptive_depth`), pick d with
+        `AdaptiveVerifier.choose_depth` (stale scores only) and call the
+        original with `scheduler_output.num_spec_tokens_to_schedule = d`
+        (vLLM's drafters take num_speculative_tokens from it; at d = 0 an
+        LLM drafter runs only its KV-sync forward and returns [R, 0]), and
+        the drafter's own `num_speculative_tokens` set to d (suffix decoding
+        reads that), both restored afterwards. Arm the proposer's feature
+        recording, then run `AdaptiveVerifier.admit` and return the drafts
+        cut to the admitted prefix as lists (the form the V1 runner already
+        hands to the scheduler for CPU-side drafters), so trimmed drafts
+        take no KV slot and no target compute.
+    Upstream: an admission hook between drafting and scheduling in V1
+        (vLLM's dynamic speculative decoding already sets the depth through
+        num_spec_tokens_to_schedule, from a static lookup table).
     Remove when: vLLM's V1 runner supports adaptive verification.
     vLLM: 0.32.0
     """
@@ -120,16 +135,58 @@ class RunnerAdmitPatch(VllmPatch):
         if verifier is None:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         drafter = self.drafter
+        options = getattr(self, _OPTIONS_ATTR, None)
+        depth = None
+        if options is not None and options.adaptive_depth:
+            depth = _choose_depth(self, verifier)
         arm = hasattr(drafter, "_sample_draft_tokens")
         if arm:
             setattr(drafter, _FEATURES_ATTR, [])
-        try:
-            drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
-        finally:
-            if arm:
-                setattr(drafter, _FEATURES_ATTR, None)
-        return _admit(self, verifier, drafts, recorded)
+        with _drafting_depth(scheduler_output, drafter, depth):
+            try:
+                drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+                recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
+            finally:
+                if arm:
+                    setattr(drafter, _FEATURES_ATTR, None)
+        out = _admit(self, verifier, drafts, recorded)
+        _maybe_write_metrics(self, verifier)
+        return out
+
+
+def _choose_depth(runner, verifier) -> int:
+    """The drafting depth of this step, from stale scores and counts only."""
+    num_reqs = runner.input_batch.num_reqs
+    req_ids = runner.input_batch.req_ids[:num_reqs]
+    # Requests still in (chunked) prefill draft nothing the scheduler keeps.
+    discard = runner.discard_request_mask.np[:num_reqs]
+    decoding = [rid for rid, d in zip(req_ids, discard) if not d]
+    n = len(decoding)
+    # A request with its own seed is verified in full, so that its output
+    # depends on its seed alone (see `_admit`); it must be drafted in full too.
+    seeded = any(idx < num_reqs for idx in runner.input_batch.generators)
+    return verifier.choose_depth(
+        decoding, num_sampling=n, num_other_tokens=n, min_depth=verifier.K if seeded else 0
+    )
+
+
+@contextlib.contextmanager
+def _drafting_depth(scheduler_output, drafter, depth: int | None):
+    """Draft `depth` tokens in this call (None: vLLM's own depth)."""
+    if depth is None:
+        yield
+        return
+    saved = scheduler_output.num_spec_tokens_to_schedule
+    saved_drafter = getattr(drafter, "num_speculative_tokens", None)
+    scheduler_output.num_spec_tokens_to_schedule = depth
+    if saved_drafter is not None:
+        drafter.num_speculative_tokens = depth
+    try:
+        yield
+    finally:
+        scheduler_output.num_spec_tokens_to_schedule = saved
+        if saved_drafter is not None:
+            drafter.num_speculative_tokens = saved_drafter
 
 
 def _admit(runner, verifier, drafts, recorded):
@@ -238,25 +295,35 @@ class RunnerObservePatch(VllmPatch):
                 num_accepted,
                 learn=_learnable(self, scheduler_output, req_ids),
             )
-            _maybe_write_metrics(self, verifier)
+            _maybe_write_metrics(self, verifier, count_step=False)
         return out
 
 
-def _maybe_write_metrics(runner, verifier) -> None:
-    options = av_options_of(runner.vllm_config)
+def _maybe_write_metrics(runner, verifier, count_step: bool = True) -> None:
+    """Write the snapshot every `metrics_interval` drafting steps (zero-depth
+    ones included), after drafting and again after the bookkeeping of the
+    same step (model drafters draft first), so it lags by no step."""
+    options = getattr(runner, _OPTIONS_ATTR, None)
     if options is None or not options.metrics_dir:
         return
-    if verifier.stats.num_steps % options.metrics_interval == 0:
+    steps = getattr(runner, _PROPOSE_STEPS_ATTR, 0) + int(count_step)
+    setattr(runner, _PROPOSE_STEPS_ATTR, steps)
+    if steps and steps % options.metrics_interval == 0:
         write_snapshot(options.metrics_dir, verifier, rank=getattr(runner, "rank", 0) or 0)
 
 
 class RunnerForgetPatch(VllmPatch):
-    """Drop AV state of finished and preempted requests.
+    """Drop AV state of finished and preempted requests; mark the start of
+    a step.
 
     Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states
     Why: the verifier keeps per-request rows (stale scores, pending
-        features); without this they would outlive their requests.
-    How: forget the finished and preempted request ids, then call the
+        features); without this they would outlive their requests. And
+        the verifier must know which admitted drafts this step verifies:
+        with model drafters the runner drafts the next step before it
+        books this step's outcomes.
+    How: forget the finished and preempted request ids and, when the step
+        schedules any token, `AdaptiveVerifier.begin_step`; then call the
         original.
     Upstream: none needed if AV state lived in vLLM's request state.
     Remove when: vLLM's V1 runner supports adaptive verification.
@@ -271,6 +338,8 @@ class RunnerForgetPatch(VllmPatch):
         if verifier is not None:
             verifier.forget(scheduler_output.finished_req_ids)
             verifier.forget(scheduler_output.preempted_req_ids or ())
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                verifier.begin_step()
         return type(self)._orig__update_states(self, scheduler_output)
 
 
@@ -278,6 +347,7 @@ def _attach_verifier(worker) -> None:
     options = av_options_of(worker.vllm_config)
     if options is not None:
         runner = worker.model_runner
+        setattr(runner, _OPTIONS_ATTR, options)
         setattr(runner, _AV_ATTR, build_verifier(runner, options))
 
 

@@ -3,8 +3,11 @@
 Verification cost is timed as a target-only dummy step at each token count
 (the drafter's part of vLLM's dummy step is switched off while timing);
 drafting cost as the drafter's own dummy step (K forward passes) at each
-request count. Each size is run once to warm up, then `profile_repeats`
-times; the cost model keeps the median. On the CPU there are no CUDA
+request count, and, with adaptive drafting depth, also at depth 1 (one
+forward: what a step of depth 0 or 1 costs, since vLLM's drafter runs its
+first forward even when it drafts nothing, to keep its KV cache in sync).
+Each size is run once to warm up, then `profile_repeats` times; the cost
+model keeps the median. On the CPU there are no CUDA
 graphs, so the table has no graph sizes and is interpolated throughout.
 """
 
@@ -55,6 +58,17 @@ def _time_ms(fn, repeats: int, device) -> list[float]:
 
 
 @contextlib.contextmanager
+def _drafter_depth(drafter, depth: int):
+    """Make the drafter's dummy step `depth` forwards deep."""
+    saved = drafter.num_speculative_tokens
+    drafter.num_speculative_tokens = depth
+    try:
+        yield
+    finally:
+        drafter.num_speculative_tokens = saved
+
+
+@contextlib.contextmanager
 def _drafter_off(runner):
     """Make vLLM's dummy step run the target only."""
     drafter = getattr(runner, "drafter", None)
@@ -102,23 +116,37 @@ def profile_costs(runner, options: AVOptions) -> CostModel:
 
     verify: dict[int, list[float]] = {}
     draft: dict[int, list[float]] = {}
+    draft_by_depth: dict[int, dict[int, list[float]]] = {}
     with torch.inference_mode():
         with _drafter_off(runner):
             for n in sizes:
                 verify[n] = _time_ms(lambda: target_step(n), options.profile_repeats, device)
         drafter = getattr(runner, "drafter", None)
         if drafter is not None and hasattr(drafter, "dummy_run"):
-            for n in [s for s in sizes if s <= max_reqs] or [1]:
-                draft[n] = _time_ms(
-                    lambda: drafter.dummy_run(n, use_cudagraphs=on_gpu),
-                    options.profile_repeats,
-                    device,
-                )
+            req_sizes = [s for s in sizes if s <= max_reqs] or [1]
+
+            def time_drafting() -> dict[int, list[float]]:
+                return {
+                    n: _time_ms(
+                        lambda: drafter.dummy_run(n, use_cudagraphs=on_gpu),
+                        options.profile_repeats,
+                        device,
+                    )
+                    for n in req_sizes
+                }
+
+            draft = time_drafting()
+            K = getattr(drafter, "num_speculative_tokens", None)
+            if options.adaptive_depth and isinstance(K, int) and K > 1:
+                with _drafter_depth(drafter, 1):
+                    draft_by_depth = {1: time_drafting(), K: draft}
         else:
             # Model-free drafters (ngram, suffix) run on the CPU beside the
             # step; their cost is small and not a function of the budget.
             draft = {1: [0.0]}
-    return CostModel.from_samples(verify, draft, graph_sizes=graph_sizes)
+    return CostModel.from_samples(
+        verify, draft, graph_sizes=graph_sizes, draft_by_depth=draft_by_depth
+    )
 
 
 def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
@@ -136,9 +164,10 @@ def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
         K, cost, OnlineAcceptanceEstimator(K, refit_interval=options.refit_interval)
     )
     logger.info(
-        "vllm-av: adaptive verification ready (K=%d, method=%s); cost %s "
-        "in %.1f s: %s",
-        K, spec.method, "loaded" if options.cost_table else "profiled",
+        "vllm-av: adaptive verification ready (K=%d, method=%s, adaptive depth %s); "
+        "cost %s in %.1f s: %s",
+        K, spec.method, "on" if options.adaptive_depth else "off",
+        "loaded" if options.cost_table else "profiled",
         time.perf_counter() - t0, cost.summary(),
     )
     path = os.environ.get(ENV_COST_OUT)

