@@ -107,12 +107,19 @@ def profile_costs(runner, options: AVOptions) -> CostModel:
     max_reqs = min(sched.max_num_seqs, sizes[-1])
     context = min(options.profile_context_len, runner.vllm_config.model_config.max_model_len)
 
+    with_context = on_gpu
+
     def target_step(n: int) -> None:
-        if on_gpu:
+        nonlocal with_context
+        if with_context:
             # Attention over a synthetic context, as decode steps see it.
-            runner._dummy_run(n, force_attention=True, profile_seq_lens=context)
-        else:
-            runner._dummy_run(n)
+            try:
+                runner._dummy_run(n, force_attention=True, profile_seq_lens=context)
+                return
+            except Exception as e:  # an attention backend may refuse it
+                logger.warning("vllm-av: profiling without synthetic context (%s)", e)
+                with_context = False
+        runner._dummy_run(n)
 
     verify: dict[int, list[float]] = {}
     draft: dict[int, list[float]] = {}

@@ -1,0 +1,100 @@
+"""Our AV on the GPU (Model Runner V1), with the real Qwen2.5-Coder pair.
+
+Skipped without CUDA, vLLM or the bf16 models (TARGET_MODEL / DRAFT_MODEL,
+as the GPU kit's env.sh sets them). Run by scripts/gpu/round.sh.
+
+Greedy agreement: speculative and plain decoding run different batch
+shapes, and bf16 kernels are not batch-invariant, so two correct engines
+may flip a near-tied argmax and diverge from there. The test therefore
+requires every output to agree with no speculation on a long common prefix
+and most outputs to match exactly, and prints the exact-match count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+TARGET = os.environ.get("TARGET_MODEL", "")
+DRAFT = os.environ.get("DRAFT_MODEL", "")
+if not (os.path.isdir(TARGET) and os.path.isdir(DRAFT)):
+    pytest.skip("needs TARGET_MODEL and DRAFT_MODEL (bf16 folders)", allow_module_level=True)
+
+K = 7
+MAX_TOKENS = 48
+# A bf16 argmax flip can end exact agreement early, but not before this
+# fraction of the output on average.
+MIN_MEAN_PREFIX_FRACTION = 0.8
+
+RUN_ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    cfg = json.loads(sys.argv[1])
+    llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
+              gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
+              speculative_config=cfg["spec"])
+    prompts = [
+        "def fibonacci(n):", "def is_prime(n):", "class Stack:",
+        "def quicksort(xs):", "def binary_search(a, x):", "import numpy as np\\ndef softmax(x):",
+        "def merge(a, b):", "def gcd(a, b):",
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    print("RESULT " + json.dumps(outs))
+    """
+)
+
+
+def run_engine(spec, eager: bool, env_extra: dict) -> list[list[int]]:
+    env = dict(os.environ, **env_extra)
+    cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    return run_engine(None, eager=True, env_extra={})
+
+
+def test_our_av_starts_eager_on_the_v1_runner_and_keeps_greedy_outputs(plain_outputs):
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    ours = run_engine(spec, eager=True, env_extra={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
+    exact = sum(a == b for a, b in zip(ours, plain_outputs))
+    print(f"exact matches {exact}/{len(ours)}; mean common prefix {sum(prefix)/len(prefix):.2f}")
+    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
+    assert exact >= len(ours) // 2
+
+
+def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    with pytest.raises(RuntimeError, match="CUDA graphs|cudagraph"):
+        run_engine(spec, eager=True, env_extra={"VLLM_AV_IMPL": "vllm"})
