@@ -72,3 +72,34 @@ def test_docs_patch_page_is_generated_from_the_ledger():
     assert page.read_text() == render(), (
         "docs/patches.md is stale: python -m vllm_av.vllm.ledger > docs/patches.md"
     )
+
+
+def test_gpu_registration_never_imports_cpu_worker_modules():
+    """Importing vllm.v1.worker.cpu_worker replaces torch.cuda streams and
+    events with CPU stand-ins; a plugin that imported it on a GPU machine
+    broke every engine there. Registering for CUDA must leave them alone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        real_stream, real_event = torch.cuda.Stream, torch.Event
+        import vllm_av.vllm.plugin as plugin
+        plugin._device_type = lambda: "cuda"
+        plugin.register()
+        assert "vllm.v1.worker.cpu.shm" not in sys.modules, "cpu worker imported"
+        assert torch.cuda.Stream is real_stream and torch.Event is real_event
+        from vllm_av.vllm.patching import applied_patches
+        assert "CPUWorkerStartupPatch" not in applied_patches()
+        assert "GPUWorkerStartupPatch" in applied_patches()
+        print("ok")
+        """
+    )
+    import os
+
+    env = dict(os.environ, VLLM_AV_IMPL="ours")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

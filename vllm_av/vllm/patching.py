@@ -31,6 +31,15 @@ class VllmPatch:
 
     target: str = ""
     attributes: tuple[str, ...] = ()
+    # Device types (vLLM's `current_platform.device_type`) the patch is for;
+    # empty: every platform. A patch for another platform is neither applied
+    # nor even imported: some vLLM modules patch torch when imported (the
+    # CPU worker's replaces torch.cuda streams and events with stand-ins).
+    platforms: tuple[str, ...] = ()
+
+    @classmethod
+    def applies_to(cls, device_type: str) -> bool:
+        return not cls.platforms or device_type in cls.platforms
 
     @classmethod
     def resolve_target(cls) -> type:

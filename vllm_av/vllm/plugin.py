@@ -30,6 +30,18 @@ def check_vllm_version(installed: str) -> None:
         )
 
 
+def patches_for(device_type: str, patches: list | None = None) -> list:
+    """The patches that apply on a platform, in order."""
+    return [p for p in (patches if patches is not None else all_patches())
+            if p.applies_to(device_type)]
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
 def all_patches() -> list:
     """Every patch, in the order it is applied."""
     from vllm_av.vllm.config_patch import RouteAdaptiveVerificationPatch
@@ -63,8 +75,8 @@ def register() -> None:
         logger.info("vllm-av: leaving enable_adaptive_verification to vLLM")
         from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
 
-        for patch in LOSSLESS_PATCHES:
+        for patch in patches_for(_device_type(), LOSSLESS_PATCHES):
             apply_patch(patch)
         return
-    for patch in all_patches():
+    for patch in patches_for(_device_type()):
         apply_patch(patch)

@@ -97,6 +97,7 @@ class ExpandBatchToTokensPatch(VllmPatch):
 
     target = "vllm.v1.sample.rejection_sampler"
     attributes = ("expand_batch_to_tokens",)
+    platforms = ("cpu",)
 
     # A plain function stored on the class: `inspect.getattr_static` hands it
     # to apply_patch unbound, and it lands on the module as a function.

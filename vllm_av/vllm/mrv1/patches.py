@@ -40,6 +40,9 @@ logger = logging.getLogger("vllm.vllm_av")
 _AV_ATTR = "_vllm_av_verifier"
 _OPTIONS_ATTR = "_vllm_av_options"
 _FEATURES_ATTR = "_vllm_av_features"
+# Negative-control only (AVOptions.test_lossy_admission): per slot, whether
+# the drafted token is the draft's top token.
+_TOP_ATTR = "_vllm_av_top"
 _PROPOSE_STEPS_ATTR = "_vllm_av_propose_steps"
 
 
@@ -94,6 +97,9 @@ class DraftFeaturePatch(VllmPatch):
         tokens, probs = orig(self, hidden_states, sampling_metadata)
         if probs is not None:
             record.append(features_from_probs(probs))
+            top = getattr(self, _TOP_ATTR, None)
+            if top is not None:
+                top.append(tokens.view(-1) == probs.argmax(dim=-1).view(-1))
         else:
             record.append(torch.zeros(tokens.shape[0], device=tokens.device))
         return tokens, probs
@@ -140,16 +146,20 @@ class RunnerAdmitPatch(VllmPatch):
         if options is not None and options.adaptive_depth:
             depth = _choose_depth(self, verifier)
         arm = hasattr(drafter, "_sample_draft_tokens")
+        lossy = options is not None and options.test_lossy_admission
         if arm:
             setattr(drafter, _FEATURES_ATTR, [])
+            setattr(drafter, _TOP_ATTR, [] if lossy else None)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:
                 drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
                 recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
+                top = getattr(drafter, _TOP_ATTR, None) if arm else None
             finally:
                 if arm:
                     setattr(drafter, _FEATURES_ATTR, None)
-        out = _admit(self, verifier, drafts, recorded)
+                    setattr(drafter, _TOP_ATTR, None)
+        out = _admit(self, verifier, drafts, recorded, top if lossy else None)
         _maybe_write_metrics(self, verifier)
         return out
 
@@ -189,7 +199,7 @@ def _drafting_depth(scheduler_output, drafter, depth: int | None):
             drafter.num_speculative_tokens = saved_drafter
 
 
-def _admit(runner, verifier, drafts, recorded):
+def _admit(runner, verifier, drafts, recorded, lossy_top=None):
     req_ids = list(runner.input_batch.req_ids)
     num_reqs = len(req_ids)
     K = verifier.K
@@ -224,7 +234,19 @@ def _admit(runner, verifier, drafts, recorded):
     for idx in runner.input_batch.generators:
         if idx < num_reqs:
             admitted[idx] = num_drafted[idx]
+    if lossy_top:
+        admitted = _lossy_cut(admitted, lossy_top, num_reqs)
     return [r[: int(a)] for r, a in zip(rows, admitted)]
+
+
+def _lossy_cut(admitted: np.ndarray, top: list, num_reqs: int) -> np.ndarray:
+    """NEGATIVE CONTROL, never on in service: cut each draft before its first
+    token that is not the draft's top token. The rule looks at the drafted
+    token itself, which DESIGN 2.5 forbids; the distribution tests must
+    catch it (tests/vllm/test_lossless_cpu.py)."""
+    is_top = torch.stack([t[:num_reqs] for t in top], dim=1).cpu().numpy()  # [R, d]
+    first_miss = np.where(is_top.all(1), is_top.shape[1], (~is_top).argmax(1))
+    return np.minimum(admitted, first_miss)
 
 
 def _features(recorded, num_reqs, num_drafted, K) -> torch.Tensor:
@@ -367,6 +389,9 @@ class CPUWorkerStartupPatch(VllmPatch):
 
     target = "vllm.v1.worker.cpu_worker:CPUWorker"
     attributes = ("compile_or_warm_up_model",)
+    # Importing vllm.v1.worker.cpu_worker replaces torch.cuda streams and
+    # events with CPU stand-ins: never import it on a GPU machine.
+    platforms = ("cpu",)
 
     def compile_or_warm_up_model(self):
         out = type(self)._orig_compile_or_warm_up_model(self)
@@ -392,6 +417,7 @@ class GPUWorkerStartupPatch(VllmPatch):
 
     target = "vllm.v1.worker.gpu_worker:Worker"
     attributes = ("compile_or_warm_up_model",)
+    platforms = ("cuda",)
 
     def compile_or_warm_up_model(self):
         out = type(self)._orig_compile_or_warm_up_model(self)
