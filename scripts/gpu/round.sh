@@ -20,12 +20,13 @@ export VLLM_AV_COST_TABLE_OUT=/tmp/sweep/cost_table_ours.json
 mkdir -p /tmp/sweep
 log() { echo "[round $PART $(date -u +%T)] $*"; }
 
-SWEEP=(python3 benchmarks/sweep.py run --run-name h200 --results-root /tmp/sweep
+RUN=${RUN_NAME:-h200}
+SWEEP=(python3 benchmarks/sweep.py run --run-name "$RUN" --results-root /tmp/sweep
        --target "$TARGET_MODEL" --draft "$DRAFT_MODEL"
        --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl
        --concurrency "${CONC:-1,64,256}" --output-len "${OUTPUT_LEN:-192}"
        --warmup-prompts 16 --health-timeout 400
-       --server-args "--max-model-len 4096 --gpu-memory-utilization 0.85")
+       --server-args "--max-model-len 4096 --gpu-memory-utilization 0.85 ${EXTRA_SERVER_ARGS:-}")
 
 if [[ "$PART" == A ]]; then
   nvidia-smi -L
@@ -39,6 +40,6 @@ else
   log "tests/gpu"
   timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -s tests/gpu 2>&1 | tee "$OUT/tests_gpu.log" | tail -15
 fi
-python3 benchmarks/sweep.py report /tmp/sweep/h200 > /tmp/sweep/h200/report_stdout.md 2>&1 || true
+python3 benchmarks/sweep.py report "/tmp/sweep/$RUN" > "/tmp/sweep/$RUN/report_stdout.md" 2>&1 || true
 tar czf "$OUT/sweep_h200_$PART.tgz" -C /tmp/sweep .
 log "done: $(ls "$OUT")"
