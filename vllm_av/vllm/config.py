@@ -62,6 +62,11 @@ class AVOptions:
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.
     cost_table: str = ""
+    # NEGATIVE CONTROL for the distribution tests, never for service:
+    # admit drafts only up to the first drafted token that is not the
+    # draft's top token, a rule that depends on the drafted token and so
+    # biases the output (VLLM_AV_TEST_LOSSY_ADMISSION=1).
+    test_lossy_admission: bool = False
     # Directory where the worker leaves its metrics snapshot for /metrics
     # (VLLM_AV_METRICS_DIR); a fresh temporary directory when empty.
     metrics_dir: str = ""

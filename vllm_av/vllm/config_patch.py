@@ -94,6 +94,12 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     )
                 self.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
                 spec.enable_adaptive_verification = False
+                if options.test_lossy_admission:
+                    logger.warning(
+                        "vllm-av: VLLM_AV_TEST_LOSSY_ADMISSION is set: admission "
+                        "looks at drafted tokens and the output is NOT the "
+                        "target's distribution (negative control for tests)"
+                    )
                 logger.info(
                     "vllm-av: adaptive verification on Model Runner V1 "
                     "(method=%s, K=%d)", spec.method, spec.num_speculative_tokens,
