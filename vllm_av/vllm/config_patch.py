@@ -41,13 +41,19 @@ def check_supported(vllm_config) -> None:
             "remove --enable-lora or enable_adaptive_verification"
         )
     sched = vllm_config.scheduler_config
-    if sched.async_scheduling:
+    from vllm.platforms import current_platform
+
+    # The CPU platform turns async scheduling off whatever the user asked
+    # (vllm/platforms/cpu.py, 0.32.0), so there it is not an error.
+    if sched.async_scheduling and not current_platform.is_cpu():
         raise ValueError(
             "vllm-av: adaptive verification on Model Runner V1 trims drafts "
             "before they are scheduled, which async scheduling does not allow; "
             "pass --no-async-scheduling"
         )
-    # Left unset, vLLM would turn async scheduling on for GPU draft models.
+    # Left unset, vLLM would turn async scheduling on for GPU draft models;
+    # our V1 path hands trimmed drafts to the scheduler, which needs the
+    # synchronous schedule.
     sched.async_scheduling = False
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError(
