@@ -33,6 +33,16 @@ def selected_impl() -> str:
     return impl
 
 
+def _parse_bool(raw: str) -> bool:
+    """A switch's value; a typo is an error, not a silent "off"."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
 @dataclass(frozen=True)
 class AVOptions:
     """Options of our AV, as carried to the workers."""
@@ -80,7 +90,7 @@ class AVOptions:
                 continue
             try:
                 if f.type in ("bool", bool):
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                    values[f.name] = _parse_bool(raw)
                 elif f.type in ("str", str):
                     values[f.name] = raw
                 else:

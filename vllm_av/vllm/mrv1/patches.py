@@ -274,13 +274,24 @@ def _learnable(runner, scheduler_output, req_ids) -> np.ndarray:
         | b.presence_penalties_reqs
         | b.repetition_penalties_reqs
         | b.has_allowed_token_ids
-        | set(getattr(scheduler_output, "structured_output_request_ids", None) or ())
     )
     bad_words_idx = set(b.bad_words_token_ids)
+    requests = getattr(runner, "requests", None) or {}
     return np.array(
-        [rid not in transformed and i not in bad_words_idx for i, rid in enumerate(req_ids)],
+        [rid not in transformed and i not in bad_words_idx
+         and not _has_grammar(requests.get(rid))
+         for i, rid in enumerate(req_ids)],
         dtype=bool,
     )
+
+
+def _has_grammar(request_state) -> bool:
+    """Structured output: the grammar masks the target's logits. vLLM 0.32's
+    SchedulerOutput carries no ids of such requests (they travel in the
+    GrammarOutput handed to `sample_tokens`), so we read the request's own
+    sampling parameters."""
+    params = getattr(request_state, "sampling_params", None)
+    return getattr(params, "structured_outputs", None) is not None
 
 
 class RunnerObservePatch(VllmPatch):

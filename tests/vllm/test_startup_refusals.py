@@ -1,0 +1,195 @@
+"""Combinations our AV cannot serve are refused when the config is built,
+with a message naming the setting to change; no engine is started.
+
+Each case builds the engine config in the test process, as `vllm serve` and
+`vllm.LLM` do before any engine process exists:
+`EngineArgs(...).create_engine_config()`. That call loads vLLM's general
+plugins (ours among them, through the `vllm.general_plugins` entry point);
+we call `register()` first anyway, which is idempotent, so the tests do
+not depend on the entry point being installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    from vllm_av.vllm.plugin import register
+
+    register()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    """No VLLM_AV_* option from the outer environment; metrics in tmp."""
+    for name in list(os.environ):
+        if name.startswith("VLLM_AV_") and name != "VLLM_AV_IMPL":
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_AV_METRICS_DIR", str(tmp_path / "metrics"))
+
+
+def engine_config(models, spec: dict | None = None, av: bool = True, **kwargs):
+    """The VllmConfig of an engine on the tiny target with a draft model."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    speculative = {"method": "draft_model", "model": str(models.draft),
+                   "num_speculative_tokens": 3}
+    if av:
+        speculative["enable_adaptive_verification"] = True
+    speculative.update(spec or {})
+    args = dict(model=str(models.target), dtype="float32", max_model_len=256,
+                enforce_eager=True, speculative_config=speculative)
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()
+
+
+# ----------------------------------------------------------------- refused
+
+
+def test_async_scheduling_is_refused_off_cpu(tiny_models, monkeypatch):
+    """Off the CPU backend (GPU), --async-scheduling is refused. The CPU
+    platform stands in for a GPU one here: only `is_cpu` is changed, and our
+    check runs before vLLM's own config checks."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(ValueError, match="--no-async-scheduling"):
+        engine_config(tiny_models, async_scheduling=True)
+
+
+def test_async_scheduling_is_turned_off_on_cpu(tiny_models):
+    """The CPU platform never schedules asynchronously (vllm/platforms/cpu.py
+    turns it off whatever was asked), so there --async-scheduling is no error."""
+    config = engine_config(tiny_models, async_scheduling=True)
+    assert "vllm_av" in config.additional_config
+    assert config.scheduler_config.async_scheduling is False
+
+
+@pytest.mark.parametrize("method", ["medusa", "ngram_gpu"])
+def test_unsupported_method_is_refused(tiny_models, method):
+    spec = {"method": method}
+    if method == "ngram_gpu":
+        spec = {"method": method, "model": None, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match=rf"speculative_config\.method='{method}'") as e:
+        engine_config(tiny_models, spec)
+    assert "vllm-av" in str(e.value)
+
+
+def test_lora_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="--enable-lora"):
+        engine_config(tiny_models, enable_lora=True)
+
+
+def test_pipeline_parallelism_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 1"):
+        engine_config(tiny_models, pipeline_parallel_size=2)
+
+
+def test_local_argmax_reduction_is_refused(tiny_models):
+    # vLLM's own SpeculativeConfig check answers first; ours is behind it.
+    with pytest.raises(ValueError, match="use_local_argmax_reduction"):
+        engine_config(tiny_models, {"use_local_argmax_reduction": True})
+
+
+def test_model_runner_v2_is_refused(tiny_models, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0") as e:
+        engine_config(tiny_models)
+    assert "VLLM_AV_IMPL=vllm" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("VLLM_AV_REFIT_INTERVAL", "0"),
+        ("VLLM_AV_REFIT_INTERVAL", "abc"),
+        ("VLLM_AV_METRICS_INTERVAL", "-1"),
+        ("VLLM_AV_PROFILE_REPEATS", "1.5"),
+        # A typo must not silently turn a switch off.
+        ("VLLM_AV_ADAPTIVE_DEPTH", "ture"),
+    ],
+)
+def test_invalid_option_env_is_refused(tiny_models, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        engine_config(tiny_models)
+
+
+def test_invalid_impl_is_refused(monkeypatch):
+    from vllm_av.vllm.config import selected_impl
+
+    monkeypatch.setenv("VLLM_AV_IMPL", "bogus")
+    with pytest.raises(ValueError, match=r"VLLM_AV_IMPL='bogus' is not one of ours, vllm, off"):
+        selected_impl()
+    for ok in ("ours", "vllm", "off", " OFF ", ""):
+        monkeypatch.setenv("VLLM_AV_IMPL", ok)
+        assert selected_impl() == (ok.strip().lower() or "ours")
+
+
+def test_invalid_impl_stops_vllm_plugin_loading(tmp_path):
+    """In a fresh process (registration happens once per process), vLLM's
+    own plugin loader fails on VLLM_AV_IMPL=bogus with our message."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env["VLLM_AV_IMPL"] = "bogus"
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "import vllm_av.vllm.plugin as p\n"
+        "try:\n"
+        "    load_general_plugins()\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e); raise SystemExit(3)\n"
+        # Entry point not installed: call the plugin as vLLM would.
+        "p.register()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "VLLM_AV_IMPL='bogus' is not one of ours, vllm, off" in out, out
+
+
+# ----------------------------------------------------------------- accepted
+
+
+def test_supported_config_is_routed_to_vllm_av(tiny_models, monkeypatch, tmp_path):
+    from vllm_av.vllm.config import AVOptions, av_options_of
+
+    monkeypatch.setenv("VLLM_AV_REFIT_INTERVAL", "4")
+    monkeypatch.setenv("VLLM_AV_ADAPTIVE_DEPTH", "off")
+    config = engine_config(tiny_models, additional_config={"user_key": 1})
+    extra = config.additional_config
+    assert extra["user_key"] == 1  # the user's entries survive
+    options = extra["vllm_av"]
+    assert options == AVOptions(
+        refit_interval=4, adaptive_depth=False, metrics_dir=str(tmp_path / "metrics")
+    ).to_dict()
+    assert av_options_of(config) == AVOptions.from_dict(options)
+    # vLLM's own AV machinery stays off; scheduling is synchronous.
+    assert config.speculative_config.enable_adaptive_verification is False
+    assert config.speculative_config.method == "draft_model"
+    assert config.scheduler_config.async_scheduling is False
+    assert not config.use_v2_model_runner
+
+
+def test_ngram_config_is_routed_to_vllm_av(tiny_models):
+    config = engine_config(
+        tiny_models,
+        {"method": "ngram", "model": None, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    )
+    assert "vllm_av" in config.additional_config
+    assert config.speculative_config.enable_adaptive_verification is False
+
+
+def test_config_without_av_is_left_alone(tiny_models):
+    config = engine_config(tiny_models, av=False)
+    assert "vllm_av" not in (config.additional_config or {})
+    assert config.speculative_config.enable_adaptive_verification is False
