@@ -6,6 +6,7 @@ scores (device) -> lossless verification -> estimator update.
 """
 
 from vllm_av.core.budget import size_budget
+from vllm_av.core.confidence import ConfidenceHead
 from vllm_av.core.cost_model import CostCurve, CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.features import (
@@ -32,6 +33,7 @@ from vllm_av.core.survival import survival
 
 __all__ = [
     "AdmittedLayout",
+    "ConfidenceHead",
     "CostCurve",
     "CostModel",
     "OnlineAcceptanceEstimator",
