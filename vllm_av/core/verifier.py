@@ -54,6 +54,9 @@ class VerifierStats:
     num_steps: int = 0
     drafted: int = 0
     admitted: int = 0
+    # Drafts the target actually verified (admitted ones that reached a
+    # verify step; a request that finishes drops its last admitted drafts).
+    verified: int = 0
     accepted: int = 0
     trimmed: int = 0
     last_budget: int = 0
@@ -320,6 +323,7 @@ class AdaptiveVerifier:
                 continue
             v = int(min(num_verified[r], pending.admitted))
             a = int(min(num_accepted[r], v))
+            s.verified += v
             s.accepted += a
             if learn is not None and not learn[r]:
                 continue

@@ -25,7 +25,8 @@ def snapshot(verifier) -> dict:
     return {
         "steps": s.num_steps,
         "drafted": s.drafted,
-        "verified": s.admitted,
+        "verified": s.verified,
+        "admitted": s.admitted,
         "accepted": s.accepted,
         "trimmed": s.trimmed,
         "budget": s.last_budget,
@@ -70,7 +71,8 @@ class AVCollector:
             return
         for name, doc in (
             ("drafted", "Draft tokens proposed by the drafter"),
-            ("verified", "Draft tokens admitted and verified by the target"),
+            ("admitted", "Draft tokens admitted for verification by the budget"),
+            ("verified", "Draft tokens verified by the target"),
             ("accepted", "Draft tokens accepted by verification"),
             ("trimmed", "Draft tokens trimmed before verification"),
         ):
