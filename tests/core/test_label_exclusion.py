@@ -185,3 +185,21 @@ def test_learnable_plain_batch_is_all_true():
 
     ids = ["a", "b"]
     assert _learnable(_runner(ids), _scheduler_output(ids), ids).tolist() == [True, True]
+
+
+def test_learnable_excludes_logit_bias_and_minimum_length_requests():
+    from vllm_av.vllm.mrv1.patches import _learnable
+
+    ids = ["plain", "bias", "min", "min0"]
+    params = {
+        "plain": SimpleNamespace(structured_outputs=None, logit_bias=None, min_tokens=0),
+        "bias": SimpleNamespace(structured_outputs=None, logit_bias={5: -100.0}, min_tokens=0),
+        "min": SimpleNamespace(structured_outputs=None, logit_bias=None, min_tokens=8),
+        "min0": SimpleNamespace(structured_outputs=None, logit_bias={}, min_tokens=0),
+    }
+    runner = SimpleNamespace(
+        input_batch=_batch(ids),
+        requests={rid: SimpleNamespace(sampling_params=p) for rid, p in params.items()},
+    )
+    got = _learnable(runner, _scheduler_output(ids), ids).tolist()
+    assert got == [True, False, False, True]

@@ -286,12 +286,19 @@ def _learnable(runner, scheduler_output, req_ids) -> np.ndarray:
 
 
 def _has_grammar(request_state) -> bool:
-    """Structured output: the grammar masks the target's logits. vLLM 0.32's
-    SchedulerOutput carries no ids of such requests (they travel in the
-    GrammarOutput handed to `sample_tokens`), so we read the request's own
-    sampling parameters."""
+    """Whether the request's own sampling parameters change the target's
+    logits in ways the drafter does not see: a grammar (structured output;
+    vLLM 0.32's SchedulerOutput carries no ids of such requests, they travel
+    in the GrammarOutput handed to `sample_tokens`), a logit bias, or a
+    minimum length (end tokens masked until it is reached)."""
     params = getattr(request_state, "sampling_params", None)
-    return getattr(params, "structured_outputs", None) is not None
+    if params is None:
+        return False
+    return (
+        getattr(params, "structured_outputs", None) is not None
+        or bool(getattr(params, "logit_bias", None))
+        or (getattr(params, "min_tokens", 0) or 0) > 0
+    )
 
 
 class RunnerObservePatch(VllmPatch):
