@@ -72,12 +72,51 @@ class VerifierStats:
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-@dataclass
-class _Pending:
-    features: torch.Tensor  # [K] features of the drafted slots
-    conf: np.ndarray  # [K] predicted conditional acceptance
-    admitted: int
+class _Drafts:
+    """Admitted drafts awaiting their outcome, by request slot.
 
+    Two sets live at a time: the drafts `admit` has just admitted (pending)
+    and the ones being verified (`begin_step` swaps them). Arrays, not a
+    dict of small objects, so that `admit` and `observe` are a few numpy
+    operations per step, not a Python loop over requests (at 256 requests
+    that loop cost milliseconds per step). Features stay in the tensors
+    `admit` got, on their device; a slot points at its row there.
+    """
+
+    def __init__(self, capacity: int, K: int) -> None:
+        self.live = np.zeros(capacity, dtype=bool)  # [S] slot has drafts in this set
+        self.conf = np.zeros((capacity, K), dtype=np.float32)  # [S, K] predicted acceptance
+        self.admitted = np.zeros(capacity, dtype=np.int64)  # [S]
+        self.source = np.zeros(capacity, dtype=np.int64)  # [S] index into `features`
+        self.row = np.zeros(capacity, dtype=np.int64)  # [S] row in that tensor
+        self.features: list[torch.Tensor] = []  # [R, k] per `admit` call
+
+    def clear(self) -> None:
+        self.live[:] = False
+        self.features = []
+
+    def grow(self, capacity: int) -> None:
+        for name in ("live", "conf", "admitted", "source", "row"):
+            setattr(self, name, _grown(getattr(self, name), capacity))
+
+    def gather_features(self, slots: np.ndarray) -> torch.Tensor:
+        """[n, k] features of the drafts of `slots`, in that order."""
+        source, row = self.source[slots], self.row[slots]
+        if len(self.features) == 1:  # the usual case: one `admit` per step
+            feats = self.features[0]
+            return feats.index_select(0, torch.from_numpy(row).to(feats.device))
+        return torch.stack([self.features[s][r] for s, r in zip(source, row)])
+
+
+def _grown(a: np.ndarray, capacity: int) -> np.ndarray:
+    """`a` with its first axis extended to `capacity` (new rows zero)."""
+    out = np.zeros((capacity, *a.shape[1:]), dtype=a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+# Request slots allocated at start; the tables double when full.
+INITIAL_SLOTS = 64
 
 # Exploration (choose_depth): at least one estimator refit window (8 steps)
 # between two full-depth steps, and at most one in R // 2 steps. The
@@ -116,12 +155,18 @@ class AdaptiveVerifier:
         self.cost = cost
         self.estimator = estimator or OnlineAcceptanceEstimator(num_speculative_tokens)
         self.selector = selector or select_admitted
-        # req_id -> survival row [K] from that request's last drafting step.
-        self._stale: dict[str, np.ndarray] = {}
+        # Per-request state lives in slots of preallocated tables: req_id ->
+        # slot, freed by `forget` and reused.
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = list(range(INITIAL_SLOTS - 1, -1, -1))
+        # Survival row [K] of each slot's last drafting step (its first
+        # `_stale_width` entries: the width of that step's features).
+        self._stale_rows = np.zeros((INITIAL_SLOTS, self.K), dtype=np.float32)  # [S, K]
+        self._stale_width = np.zeros(INITIAL_SLOTS, dtype=np.int64)  # [S]
         # Admitted drafts of the last `admit`, and of the one before it once
         # `begin_step` says they are being verified.
-        self._pending: dict[str, _Pending] = {}
-        self._verifying: dict[str, _Pending] = {}
+        self._pending = _Drafts(INITIAL_SLOTS, self.K)
+        self._verifying = _Drafts(INITIAL_SLOTS, self.K)
         # Running sum and count of drafted features per position [K]; their
         # mean stands in for the features of slots a shallow step never drafted.
         self._feat_sum: torch.Tensor | None = None
@@ -201,18 +246,46 @@ class AdaptiveVerifier:
         """Scores for the budget: each request's previous-step survival row
         (the estimator's prior for a request seen for the first time), cut
         to the number of slots it drafts this step."""
-        prior = None
-        rows = []
-        for rid, n in zip(req_ids, num_drafted):
-            if n <= 0:
-                continue
-            row = self._stale.get(rid)
-            if row is None:
-                if prior is None:
-                    prior = self.estimator.prior_survival(self.K).cpu().numpy()
-                row = prior
-            rows.append(row[:n])
-        return np.concatenate(rows) if rows else np.zeros(0)
+        num_drafted = np.asarray(num_drafted)
+        drafting = num_drafted > 0  # [R]
+        n = num_drafted[drafting]  # [m]
+        if n.size == 0:
+            return np.zeros(0)
+        slots = self._slots_of(req_ids)[drafting]  # [m]; -1: seen for the first time
+        rows = self._stale_rows[slots]  # [m, K]; rows of slot -1 replaced below
+        width = self._stale_width[slots]  # [m]
+        new = slots < 0
+        if new.any():
+            prior = self.estimator.prior_survival(self.K).cpu().numpy()  # [K]
+            rows[new] = prior
+            width[new] = len(prior)
+        # Row-major boolean indexing: the rows' prefixes, one after another.
+        return rows[np.arange(self.K) < np.minimum(n, width)[:, None]]
+
+    def _slots_of(self, req_ids) -> np.ndarray:
+        """[R] slot of each request, -1 for a request with no state."""
+        get = self._slot.get
+        return np.fromiter((get(rid, -1) for rid in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def _assign_slots(self, req_ids) -> np.ndarray:
+        """[R] slot of each request, allocating one for a new request."""
+        slots = np.empty(len(req_ids), dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            slot = self._slot.get(rid)
+            if slot is None:
+                if not self._free:
+                    self._grow()
+                slot = self._slot[rid] = self._free.pop()
+            slots[i] = slot
+        return slots
+
+    def _grow(self) -> None:
+        old = len(self._stale_width)
+        self._stale_rows = _grown(self._stale_rows, 2 * old)
+        self._stale_width = _grown(self._stale_width, 2 * old)
+        self._pending.grow(2 * old)
+        self._verifying.grow(2 * old)
+        self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def admit(
         self,
@@ -249,14 +322,20 @@ class AdaptiveVerifier:
         surv = survival(conf)  # [R, k]
         admitted = self.selector(surv, drafted_t, budget).cpu().numpy()  # [R]
 
-        surv_np = surv.float().cpu().numpy()
-        conf_np = conf.float().cpu().numpy()
-        feats = features.detach()  # stays on its device for the estimator
-        for r, rid in enumerate(req_ids):
-            if num_drafted[r] <= 0:
-                continue
-            self._stale[rid] = surv_np[r]
-            self._pending[rid] = _Pending(feats[r], conf_np[r], int(admitted[r]))
+        # One copy to the host for both (each .cpu() is a sync on CUDA).
+        surv_np, conf_np = torch.stack([surv.float(), conf.float()]).cpu().numpy()  # [R, k] each
+        rows = np.flatnonzero(num_drafted > 0)  # requests that drafted
+        slots = self._assign_slots([req_ids[r] for r in rows])
+        self._stale_rows[slots, :k] = surv_np[rows]
+        self._stale_width[slots] = k
+        if rows.size:
+            p = self._pending
+            p.live[slots] = True
+            p.conf[slots, :k] = conf_np[rows]
+            p.admitted[slots] = admitted[rows]
+            p.source[slots] = len(p.features)
+            p.row[slots] = rows
+            p.features.append(features.detach())  # stays on its device for the estimator
 
         s = self.stats
         s.num_steps += 1
@@ -295,8 +374,8 @@ class AdaptiveVerifier:
         it an engine that drafts before its bookkeeping (vLLM's V1 runner
         with model drafters) would pair this step's outcomes with the
         features of the drafts it has just admitted for the next step."""
-        self._verifying = self._pending
-        self._pending = {}
+        self._verifying, self._pending = self._pending, self._verifying
+        self._pending.clear()
 
     def observe(
         self,
@@ -315,37 +394,42 @@ class AdaptiveVerifier:
             (penalties, bad words, allowed tokens, grammars); their outcomes
             are counted but never fitted.
         """
-        rows, n_ver, n_acc = [], [], []
+        slots = self._slots_of(req_ids)  # [R]
+        ver = self._verifying
+        # Rows whose drafts are being verified; read once (then dropped).
+        rows = np.flatnonzero(slots >= 0)
+        rows = rows[ver.live[slots[rows]]]
+        ver.live[slots[rows]] = False
+        num_verified = np.asarray(num_verified)
+        rows = rows[num_verified[rows] > 0]
+        slots = slots[rows]
+        v = np.minimum(num_verified[rows], ver.admitted[slots]).astype(np.int64)  # [n]
+        a = np.minimum(np.asarray(num_accepted)[rows], v).astype(np.int64)  # [n]
         s = self.stats
-        for r, rid in enumerate(req_ids):
-            pending = self._verifying.pop(rid, None)
-            if pending is None or num_verified[r] <= 0:
-                continue
-            v = int(min(num_verified[r], pending.admitted))
-            a = int(min(num_accepted[r], v))
-            s.verified += v
-            s.accepted += a
-            if learn is not None and not learn[r]:
-                continue
-            rows.append(pending.features)
-            n_ver.append(v)
-            n_acc.append(a)
-            # Calibration: labelled slots are the accepted ones plus the
-            # first rejection if it was verified.
-            n_lab = min(a + 1, v)
-            s.predicted[:n_lab] += pending.conf[:n_lab]
-            s.observed[:a] += 1.0
-            s.labelled[:n_lab] += 1.0
-        if rows:
-            self.estimator.observe(
-                torch.stack(rows),
-                torch.tensor(n_ver),
-                torch.tensor(n_acc),
-            )
+        s.verified += int(v.sum())
+        s.accepted += int(a.sum())
+        if learn is not None:
+            keep = np.asarray(learn, dtype=bool)[rows]
+            slots, v, a = slots[keep], v[keep], a[keep]
+        if slots.size == 0:
+            return
+        # Calibration: labelled slots are the accepted ones plus the first
+        # rejection if it was verified. np.add.at adds in row order, so the
+        # float sums are those of a per-request loop, bit for bit.
+        pos = np.arange(self.K)
+        labelled = pos < np.minimum(a + 1, v)[:, None]  # [n, K]
+        np.add.at(s.predicted, np.nonzero(labelled)[1], ver.conf[slots][labelled])
+        s.observed += (pos < a[:, None]).sum(0)
+        s.labelled += labelled.sum(0)
+        self.estimator.observe(
+            ver.gather_features(slots), torch.from_numpy(v), torch.from_numpy(a)
+        )
 
     def forget(self, req_ids) -> None:
         """Drop the state of finished or preempted requests."""
         for rid in req_ids:
-            self._stale.pop(rid, None)
-            self._pending.pop(rid, None)
-            self._verifying.pop(rid, None)
+            slot = self._slot.pop(rid, None)
+            if slot is not None:
+                self._pending.live[slot] = False
+                self._verifying.live[slot] = False
+                self._free.append(slot)

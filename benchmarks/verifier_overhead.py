@@ -1,0 +1,142 @@
+"""Host time of `AdaptiveVerifier` per engine step (a benchmark, not a test).
+
+One synthetic engine step is what the vLLM adapter calls: `forget` (finished
+requests), `begin_step`, `observe` (last step's outcomes), `choose_depth`,
+`admit`. Features are logit(q_max) ~ N(2, 1.5) per slot; a request accepts
+each admitted draft with probability sigmoid(feature) until the first
+rejection; each request finishes with probability CHURN per step and a new
+one takes its place. CPU, eager selector; median microseconds per step over
+STEPS steps after WARMUP.
+
+    python benchmarks/verifier_overhead.py [--label after] [--save-run /tmp/run.npz]
+
+--save-run writes the admitted arrays of every step and the estimator's
+coefficients (seed 0, R = 64) so that a change can be checked to keep
+behaviour bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_av.core.cost_model import CostModel
+from vllm_av.core.verifier import AdaptiveVerifier
+
+K = 7
+SHAPES = (1, 64, 256)
+STEPS = 200
+WARMUP = 20
+# Probability that a request finishes in a step (mean length 50 steps).
+CHURN = 0.02
+OUT = Path(__file__).parent / "results" / "verifier_overhead.json"
+
+
+def _h200_like_cost() -> CostModel:
+    # DESIGN 1's H200 1B-model step costs (ms), as in microbench.py.
+    verify = {1: [0.86], 64: [0.98], 256: [1.35], 512: [2.16], 1024: [4.0]}
+    draft = {1: [0.5], 64: [0.6], 256: [0.9]}
+    return CostModel.from_samples(verify, draft, graph_sizes=[1, 64, 256, 512])
+
+
+def run(R: int, steps: int, seed: int = 0, record: bool = False) -> dict:
+    """Drive one verifier for `steps` steps; per-step and per-call times (us)."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    v = AdaptiveVerifier(K, _h200_like_cost())
+    next_id = R
+    ids = [f"r{i}" for i in range(R)]
+    admitted = np.zeros(R, dtype=np.int64)
+    accepted = np.zeros(R, dtype=np.int64)
+    finished: list[str] = []
+    times = {k: [] for k in ("step", "observe", "choose_depth", "admit")}
+    admitted_log = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        v.forget(finished)
+        v.begin_step()
+        v.observe(ids, admitted, accepted)
+        t1 = time.perf_counter()
+        d = v.choose_depth(ids, num_sampling=R, num_other_tokens=R)
+        t2 = time.perf_counter()
+        feats = rng.normal(2.0, 1.5, size=(R, K)).astype(np.float32)
+        drafted = np.full(R, d, dtype=np.int64)
+        t3 = time.perf_counter()
+        if d > 0:
+            admitted = v.admit(ids, torch.from_numpy(feats), drafted, R, R)
+        else:
+            admitted = np.zeros(R, dtype=np.int64)
+        t4 = time.perf_counter()
+        times["step"].append((t2 - t0 + t4 - t3) * 1e6)
+        times["observe"].append((t1 - t0) * 1e6)
+        times["choose_depth"].append((t2 - t1) * 1e6)
+        times["admit"].append((t4 - t3) * 1e6)
+        if record:
+            admitted_log.append(np.asarray(admitted).copy())
+        # Outcomes of the admitted drafts (verified next step).
+        ok = rng.random((R, K)) < 1.0 / (1.0 + np.exp(-feats))
+        run_len = np.argmin(np.concatenate([ok, np.zeros((R, 1), bool)], 1), 1)
+        accepted = np.minimum(run_len, admitted)
+        # Churn: finished requests are forgotten next step, new ids replace them.
+        done = rng.random(R) < CHURN
+        finished = [rid for rid, f in zip(ids, done) if f]
+        for i in np.flatnonzero(done):
+            ids[i] = f"r{next_id}"
+            next_id += 1
+    out = {k: statistics.median(t[WARMUP:]) for k, t in times.items()}
+    if record:
+        out["admitted"] = np.stack(admitted_log)
+        out["coefficients"] = v.estimator.coefficients.numpy().copy()
+        out["predicted"] = v.stats.predicted.copy()
+        out["observed"] = v.stats.observed.copy()
+        out["labelled"] = v.stats.labelled.copy()
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--label", default="after", help="key of this run in the JSON (before/after)")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--save-run", type=Path, help="npz of a seeded run's admitted + coefficients")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # an engine's host thread; also steadier timings
+
+    if args.save_run:
+        rec = run(64, args.steps, seed=0, record=True)
+        np.savez(args.save_run, **{k: rec[k] for k in
+                                   ("admitted", "coefficients", "predicted", "observed", "labelled")})
+
+    rows = {}
+    for R in SHAPES:
+        r = run(R, args.steps, seed=1)
+        rows[str(R)] = {k: round(x, 1) for k, x in r.items()}
+        print(f"R={R:4d} K={K}: step {r['step']:8.1f} us  (observe+forget {r['observe']:7.1f}, "
+              f"choose_depth {r['choose_depth']:7.1f}, admit {r['admit']:7.1f})")
+
+    data = json.loads(args.out.read_text()) if args.out.exists() else {}
+    data["what"] = ("median host microseconds per engine step of AdaptiveVerifier "
+                    "(forget+begin_step+observe, choose_depth, admit), CPU, K=7, "
+                    f"{args.steps} steps, churn {CHURN}/step, torch 1 thread")
+    data["command"] = "PYTHONPATH=. python benchmarks/verifier_overhead.py --label " + args.label
+    data[args.label] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} (shared 2-core box)",
+        "torch": torch.__version__,
+        "per_R": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
