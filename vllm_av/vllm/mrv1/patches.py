@@ -32,7 +32,7 @@ from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_fea
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.startup import build_verifier
+from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -187,16 +187,12 @@ def _drafting_depth(scheduler_output, drafter, depth: int | None):
         yield
         return
     saved = scheduler_output.num_spec_tokens_to_schedule
-    saved_drafter = getattr(drafter, "num_speculative_tokens", None)
     scheduler_output.num_spec_tokens_to_schedule = depth
-    if saved_drafter is not None:
-        drafter.num_speculative_tokens = depth
     try:
-        yield
+        with drafter_depth(drafter, depth):
+            yield
     finally:
         scheduler_output.num_spec_tokens_to_schedule = saved
-        if saved_drafter is not None:
-            drafter.num_speculative_tokens = saved_drafter
 
 
 def _admit(runner, verifier, drafts, recorded, lossy_top=None):
@@ -279,13 +275,13 @@ def _learnable(runner, scheduler_output, req_ids) -> np.ndarray:
     requests = getattr(runner, "requests", None) or {}
     return np.array(
         [rid not in transformed and i not in bad_words_idx
-         and not _has_grammar(requests.get(rid))
+         and not _params_change_target(requests.get(rid))
          for i, rid in enumerate(req_ids)],
         dtype=bool,
     )
 
 
-def _has_grammar(request_state) -> bool:
+def _params_change_target(request_state) -> bool:
     """Whether the request's own sampling parameters change the target's
     logits in ways the drafter does not see: a grammar (structured output;
     vLLM 0.32's SchedulerOutput carries no ids of such requests, they travel

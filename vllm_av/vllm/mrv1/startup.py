@@ -21,6 +21,7 @@ import time
 import torch
 
 from vllm_av.core.cost_model import CostModel
+from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.verifier import AdaptiveVerifier
 from vllm_av.vllm.config import AVOptions
 
@@ -58,9 +59,13 @@ def _time_ms(fn, repeats: int, device) -> list[float]:
 
 
 @contextlib.contextmanager
-def _drafter_depth(drafter, depth: int):
-    """Make the drafter's dummy step `depth` forwards deep."""
-    saved = drafter.num_speculative_tokens
+def drafter_depth(drafter, depth: int):
+    """Make the drafter propose (and its dummy step run) `depth` forwards
+    deep; a drafter without a depth setting is left as it is."""
+    saved = getattr(drafter, "num_speculative_tokens", None)
+    if saved is None:
+        yield
+        return
     drafter.num_speculative_tokens = depth
     try:
         yield
@@ -145,7 +150,7 @@ def profile_costs(runner, options: AVOptions) -> CostModel:
             draft = time_drafting()
             K = getattr(drafter, "num_speculative_tokens", None)
             if options.adaptive_depth and isinstance(K, int) and K > 1:
-                with _drafter_depth(drafter, 1):
+                with drafter_depth(drafter, 1):
                     draft_by_depth = {1: time_drafting(), K: draft}
         else:
             # Model-free drafters (ngram, suffix) run on the CPU beside the
@@ -165,8 +170,6 @@ def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
         cost = profile_costs(runner, options)
     spec = runner.vllm_config.speculative_config
     K = spec.num_speculative_tokens
-    from vllm_av.core.estimator import OnlineAcceptanceEstimator
-
     verifier = AdaptiveVerifier(
         K, cost, OnlineAcceptanceEstimator(K, refit_interval=options.refit_interval)
     )
