@@ -110,6 +110,10 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         return Arm(name, family, "nospec", 0, base_env)
     if re.fullmatch(r"k\d+", base):
         return Arm(name, family, "fixed", int(base[1:]), base_env)
+    if re.fullmatch(r"k\d+v1", base):
+        # Fixed K pinned to Model Runner V1, the runner our AV uses: tells
+        # the runner's share of a difference from the AV's.
+        return Arm(name, family, "fixed", int(base[1:-2]), v1)
     if base == "ours":
         # Our AV runs on Model Runner V1 (the only runner on CPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1))
@@ -119,7 +123,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         if device == "gpu":
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
-    raise ValueError(f"unknown arm {name!r}: use nospec, k<N>, vllm_av, ours, "
+    raise ValueError(f"unknown arm {name!r}: use nospec, k<N>, k<N>v1, vllm_av, ours, "
                      f"ngram_nospec, ngram_k<N>, ngram_ours")
 
 
@@ -178,9 +182,10 @@ def write_prompt_file(prompts: list[str], num: int, path: Path) -> None:
     tmp.replace(path)
 
 
-def num_prompts_for(concurrency: int, override: int | None = None) -> int:
-    """Requests per run: two waves of the concurrency, at least MIN_PROMPTS."""
-    return override if override else max(2 * concurrency, MIN_PROMPTS)
+def num_prompts_for(concurrency: int, override: int | None = None,
+                    min_prompts: int = MIN_PROMPTS) -> int:
+    """Requests per run: two waves of the concurrency, at least min_prompts."""
+    return override if override else max(2 * concurrency, min_prompts)
 
 
 # ---------------------------------------------------------------- result files and resume
@@ -605,17 +610,24 @@ class Server:
     def env(self) -> dict:
         return {**os.environ, **dict(self.arm.env)}
 
-    def start(self) -> None:
-        t0 = time.monotonic()
+    def spawn(self) -> None:
+        self.t_spawn = time.monotonic()
         self.proc = _spawn(self.command(), self.log_path, self.env())
-        while time.monotonic() - t0 < self.opts.health_timeout:
+
+    def wait_healthy(self) -> None:
+        while time.monotonic() - self.t_spawn < self.opts.health_timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up")
             if _http_get(self.url + "/health", timeout=5)[0] == 200:
-                _log(f"  server up in {time.monotonic() - t0:.0f} s on port {self.port}")
+                _log(f"  {self.arm.name}: server up in {time.monotonic() - self.t_spawn:.0f} s "
+                     f"on port {self.port}")
                 return
             time.sleep(2)
         raise RuntimeError(f"no /health after {self.opts.health_timeout:.0f} s")
+
+    def start(self) -> None:
+        self.spawn()
+        self.wait_healthy()
 
     def scrape(self) -> tuple[dict[str, float], str]:
         status, text = _http_get(self.url + "/metrics", timeout=30)
@@ -692,7 +704,41 @@ def _fingerprint(opts, prompts: list[str]) -> dict:
             "output_len": opts.output_len, "temperature": opts.temperature,
             "ignore_eos": opts.ignore_eos, "device": opts.device, "av_k": opts.av_k,
             "server_args": opts.server_args, "num_prompts": opts.num_prompts,
+            "min_prompts": opts.min_prompts,
             "prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+
+
+# Arms whose engines time steps at start-up (our cost profile, vLLM's AV
+# cost curves): started one at a time on a quiet GPU so the timings they keep
+# are not taken while another engine compiles or captures graphs.
+PROFILING_ROLES = ("ours", "vllm_av")
+
+
+def start_together(opts, arms: dict, names: list[str], run_dir: Path) -> dict:
+    """Start every arm's server before the first bench (--parallel-start).
+
+    Profiling arms start one at a time, then the rest all at once; the
+    servers then sit idle until their turn, so start-up overlaps and no
+    bench runs beside another. Each server must fit in its own share of the
+    GPU (pass --gpu-memory-utilization / --kv-cache-memory-bytes through
+    --server-args). Returns name -> Server, or the exception that stopped it.
+    """
+    out: dict = {}
+    quiet = [n for n in names if arms[n].role in PROFILING_ROLES]
+    rest = [n for n in names if n not in quiet]
+    for group in [[n] for n in quiet] + ([rest] if rest else []):
+        _log(f"starting {', '.join(group)} together" if len(group) > 1 else f"starting {group[0]}")
+        for n in group:
+            out[n] = Server(opts, arms[n], run_dir / "logs" / f"{n}.server.log")
+            out[n].spawn()
+        for n in group:
+            try:
+                out[n].wait_healthy()
+                _clear_failure(run_dir, n, None)
+            except RuntimeError as e:
+                out[n].stop()
+                out[n] = e
+    return out
 
 
 def run(opts) -> int:
@@ -728,19 +774,26 @@ def run(opts) -> int:
         merge(run_dir)
         return 0
 
-    need = max(num_prompts_for(c, opts.num_prompts) for c in opts.concurrency)
+    need = max(num_prompts_for(c, opts.num_prompts, opts.min_prompts) for c in opts.concurrency)
     prompt_file = run_dir / "prompts.json"
     write_prompt_file(prompts, max(need, opts.warmup_prompts), prompt_file)
 
     t_start, done, failures = time.monotonic(), 0, 0
+    started = start_together(opts, arms, list(todo), run_dir) if opts.parallel_start else {}
     for i, (name, left) in enumerate(todo.items(), 1):
         arm = arms[name]
         log = run_dir / "logs" / f"{name}.server.log"
-        _log(f"arm {i}/{len(todo)} {name}: starting server (log {log})")
-        server = Server(opts, arm, log)
+        server = started.get(name)
         try:
             try:
-                server.start()
+                if server is None:
+                    _log(f"arm {i}/{len(todo)} {name}: starting server (log {log})")
+                    server = Server(opts, arm, log)
+                    server.start()
+                elif isinstance(server, Exception):
+                    raise RuntimeError(str(server))
+                else:
+                    _log(f"arm {i}/{len(todo)} {name}: server already up")
                 _clear_failure(run_dir, name, None)
                 wc = min(opts.warmup_prompts, max(c for c, _ in left))
                 _log(f"  warm-up: {opts.warmup_prompts} prompts at concurrency {wc}")
@@ -753,7 +806,7 @@ def run(opts) -> int:
                 continue
             for c, pass_name in left:
                 temp = opts.temperature if PASSES[pass_name] is None else PASSES[pass_name]
-                n = num_prompts_for(c, opts.num_prompts)
+                n = num_prompts_for(c, opts.num_prompts, opts.min_prompts)
                 fname = result_name(name, c, pass_name)
                 blog = run_dir / "logs" / fname.replace(".json", ".bench.log")
                 t0 = time.monotonic()
@@ -797,7 +850,8 @@ def run(opts) -> int:
             _, text = server.scrape()
             (run_dir / "logs" / f"{name}.metrics.prom").write_text(text)
         finally:
-            server.stop()
+            if isinstance(server, Server):
+                server.stop()
     summary = merge(run_dir)
     _log(f"done in {_hms(time.monotonic() - t_start)}; {failures} failures; "
          f"summary {run_dir / 'summary.json'}")
@@ -841,6 +895,8 @@ def parse_args(argv=None):
     r.add_argument("--concurrency", type=_csv(int), default=DEFAULT_CONCURRENCY)
     r.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests per run (default max(2*C, {MIN_PROMPTS}))")
+    r.add_argument("--min-prompts", type=int, default=MIN_PROMPTS,
+                   help=f"at least this many requests per run (default {MIN_PROMPTS})")
     r.add_argument("--output-len", type=int, default=512, help="max output tokens per request")
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--greedy", action="store_true", help="also run a temperature-0 pass")
@@ -861,6 +917,10 @@ def parse_args(argv=None):
                    default=[sys.executable, "-m", "vllm.entrypoints.cli.main"],
                    help="how to call the vllm CLI (default: this python -m vllm...cli.main)")
     r.add_argument("--health-timeout", type=float, default=1200.0)
+    r.add_argument("--parallel-start", action="store_true",
+                   help="start all arms' servers first (profiling arms one at a time, the "
+                        "rest together), then bench them one after another; give each server "
+                        "its share of the GPU through --server-args")
     r.add_argument("--warmup-prompts", type=int, default=MIN_PROMPTS)
     r.add_argument("--metrics-settle-s", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=0)

@@ -1,45 +1,83 @@
 #!/usr/bin/env bash
-# One GPU round on the lent H200, run there after the kit has staged vLLM
-# 0.32 and the bf16 model pair (docs/gpu.md has the whole sequence).
+# One GPU round, run on the lent machine after the kit has staged vLLM 0.32
+# and the bf16 model pair (docs/gpu.md has the whole sequence).
 #
-#   bash scripts/gpu/round.sh A   # micro-benchmarks, sweep part A (ours, nospec, vLLM's AV)
-#   bash scripts/gpu/round.sh B   # sweep part B (K=3, K=7), tests/gpu
+#   bash scripts/gpu/round.sh A   # the draft-model sweep
+#   bash scripts/gpu/round.sh B   # the ngram sweep, step breakdown, tests/gpu
 #
-# Everything worth keeping lands in $OUT (at most 8 files come back): the
-# micro-benchmark JSON, the test log and one tarball of the sweep folder.
+# Each call works in two lanes, one per GPU when the machine has two (else
+# one after the other on the one GPU): every lane is its own sweep run
+# folder, so no two benches share a GPU. Servers of one lane start together
+# (benchmarks/sweep.py --parallel-start) and each gets a share of the GPU.
+# Results are packed into $OUT every minute, so a call stopped at its time
+# limit still brings back what it finished.
 set -uo pipefail
 PART=${1:-A}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu/tools/env.sh
-# vllm-av itself: the checkout on PYTHONPATH plus its plugin entry point.
-python3 scripts/gpu/register_plugin.py /tmp/site_av
+python3 scripts/gpu/register_plugin.py /tmp/site_av >/dev/null
 export PYTHONPATH=/tmp/site_av:$ROOT:$PYTHONPATH
-export VLLM_AV_COST_TABLE_OUT=/tmp/sweep/cost_table_ours.json
-mkdir -p /tmp/sweep
+RES=/tmp/results; mkdir -p "$RES"
+LIMIT=${LANE_LIMIT_S:-530}   # each lane's own limit, inside the call's 600 s
+NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[round $PART $(date -u +%T)] $*"; }
+log "$NGPU GPU(s); lanes stop after $LIMIT s"
 
-RUN=${RUN_NAME:-h200}
-SWEEP=(python3 benchmarks/sweep.py run --run-name "$RUN" --results-root /tmp/sweep
-       --target "$TARGET_MODEL" --draft "$DRAFT_MODEL"
-       --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl
-       --concurrency "${CONC:-1,64,256}" --output-len "${OUTPUT_LEN:-192}"
-       --warmup-prompts 16 --health-timeout 400
-       --server-args "--max-model-len 4096 --gpu-memory-utilization 0.85 ${EXTRA_SERVER_ARGS:-}")
+pack() { tar czf "$OUT/results_$PART.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results_$PART.tgz.tmp" "$OUT/results_$PART.tgz"; }
+( while sleep 60; do pack; done ) &
+PACKER=$!
+
+# 256 sequences: vLLM 0.32's V2 warm-up with a draft model and K=7 builds a
+# batch of min(max_num_seqs, 8192 // 9) requests whose drafter prefill
+# (9100 tokens at the H200 default of 1024 sequences) falls outside the
+# compiled range and kills start-up; 256 keeps it inside and is the largest
+# concurrency the sweep uses.
+SERVER_ARGS="--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 12884901888"
+sweep() {  # sweep <gpu> <run name> <arms> [extra sweep args]
+  local gpu=$1 run=$2 arms=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpu VLLM_AV_COST_TABLE_OUT=$RES/cost_table_${run}.json \
+  timeout -s INT "$LIMIT" python3 benchmarks/sweep.py run --run-name "$run" --results-root "$RES" \
+    --target "$TARGET_MODEL" --draft "$DRAFT_MODEL" \
+    --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
+    --concurrency "${CONC:-1,16,64,256}" --output-len "${OUTPUT_LEN:-256}" \
+    --min-prompts 16 --warmup-prompts 8 --health-timeout 400 --parallel-start \
+    --server-args "$SERVER_ARGS" --arms "$arms" "$@" > "$RES/$run.log" 2>&1
+  log "sweep $run exit $?"; tail -25 "$RES/$run.log"
+}
 
 if [[ "$PART" == A ]]; then
-  nvidia-smi -L
-  log "micro-benchmarks"
-  python3 benchmarks/microbench.py --iters 500 --out "$OUT/microbench_h200.json" | tail -5
-  log "sweep part A"
-  "${SWEEP[@]}" --arms "${ARMS_A:-ours,nospec,vllm_av}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  # Lane 0: ours with no speculation and K=3, 7; lane 1: vLLM's AV with no
+  # speculation and K=1, 5. Both lanes carry no speculation, which ties
+  # the two GPUs' numbers together.
+  sweep 0 h200_g0 "${ARMS_G0:-ours,nospec,k7,k3}" &
+  P0=$!
+  if [[ $NGPU -gt 1 ]]; then sweep 1 h200_g1 "${ARMS_G1:-vllm_av,nospec,k1,k5,k7v1}"; fi
+  wait $P0
 else
-  log "sweep part B"
-  "${SWEEP[@]}" --arms "${ARMS_B:-k3,k7}"
-  log "tests/gpu"
-  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -s tests/gpu 2>&1 | tee "$OUT/tests_gpu.log" | tail -15
+  sweep 0 h200_ngram "${ARMS_NGRAM:-ngram_ours,ngram_nospec,ngram_k7,ngram_k3}" &
+  P0=$!
+  G=1
+  if [[ $NGPU -lt 2 ]]; then G=0; wait $P0; fi   # one GPU: one lane after the other
+  (
+    export CUDA_VISIBLE_DEVICES=$G
+    for arm in ${BREAKDOWN_ARMS:-k7 ours}; do
+      log "step breakdown $arm"
+      timeout 200 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
+        > "$RES/breakdown_$arm.log" 2>&1
+      log "breakdown $arm exit $?"; grep "^\[$arm\]" "$RES/breakdown_$arm.log"; tail -3 "$RES/breakdown_$arm.log"
+    done
+    log "tests/gpu"
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -s -x tests/gpu > "$RES/tests_gpu.log" 2>&1
+    log "tests/gpu exit $?"; tail -15 "$RES/tests_gpu.log"
+  )
+  wait $P0
 fi
-python3 benchmarks/sweep.py report "/tmp/sweep/$RUN" > "/tmp/sweep/$RUN/report_stdout.md" 2>&1 || true
-tar czf "$OUT/sweep_h200_$PART.tgz" -C /tmp/sweep .
-log "done: $(ls "$OUT")"
+for d in "$RES"/h200_*/; do
+  [[ -d "$d" ]] && python3 benchmarks/sweep.py report "$d" --no-plots > "$d/report_stdout.md" 2>&1
+done
+kill $PACKER 2>/dev/null
+pack
+log "done: $(ls -la "$OUT")"

@@ -42,6 +42,7 @@ RUN_ENGINE = textwrap.dedent(
     cfg = json.loads(sys.argv[1])
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
+              max_num_seqs=256,
               speculative_config=cfg["spec"])
     prompts = [
         "def fibonacci(n):", "def is_prime(n):", "class Stack:",
@@ -98,3 +99,17 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
             "enable_adaptive_verification": True}
     with pytest.raises(RuntimeError, match="CUDA graphs|cudagraph"):
         run_engine(spec, eager=True, env_extra={"VLLM_AV_IMPL": "vllm"})
+
+
+def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs):
+    """The served configuration: default compilation and CUDA graphs, so the
+    varlen steps our admission produces run through vLLM's graphs."""
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    ours = run_engine(spec, eager=False, env_extra={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
+    exact = sum(a == b for a, b in zip(ours, plain_outputs))
+    print(f"graphs: exact matches {exact}/{len(ours)}; mean common prefix "
+          f"{sum(prefix)/len(prefix):.2f}")
+    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
+    assert exact >= len(ours) // 2

@@ -1,0 +1,147 @@
+"""Where the time of a speculative step goes, per phase, on the GPU.
+
+    python3 scripts/gpu/step_breakdown.py --arm k7 --out breakdown_k7.json
+
+Starts one in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the
+runner lives in this process) on $TARGET_MODEL with $DRAFT_MODEL, and for
+each concurrency runs a batch of requests twice at temperature 1 with fixed
+output length:
+  1. plain: wall time and output tokens/s, nothing added;
+  2. timed: each runner phase wrapped with a CUDA synchronize before and
+     after, so its wall time is its own (phases no longer overlap, so the
+     sum exceeds the plain step time: read shares, not totals).
+Phases: the target step (`execute_model`: input preparation + target
+forward), sampling/verification (rejection sampler), drafting (the
+drafter's propose) and the rest of `sample_tokens` (bookkeeping, our
+admission feedback). The JSON holds per-phase mean ms per call and calls.
+
+Arms: nospec, kN (fixed K on vLLM's default runner, V2 on GPU), kNv1
+(fixed K on Model Runner V1), ours (our AV at K=7 on V1), vllm_av (vLLM's
+AV at K=7 on V2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+
+PHASES = {
+    # Model Runner V2 (vllm/v1/worker/gpu/)
+    "target_step": ["vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
+                    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model"],
+    "sample_tokens": ["vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"],
+    "rejection": ["vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+                  "vllm.v1.sample.rejection_sampler:RejectionSampler.forward"],
+    "drafting": ["vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:"
+                 "StandaloneARSpeculator.propose",
+                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"],
+    "schedule": ["vllm.v1.core.sched.scheduler:Scheduler.schedule"],
+}
+
+TIMES: dict[str, list[float]] = defaultdict(list)
+ACTIVE = {"on": False}
+
+
+def _wrap(phase: str, spec: str) -> bool:
+    import torch
+
+    mod_name, attr = spec.split(":")
+    cls_name, meth = attr.split(".")
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+    except (ImportError, AttributeError):
+        return False
+    orig = cls.__dict__.get(meth)
+    if orig is None:
+        return False
+
+    @functools.wraps(orig)
+    def timed(*a, **k):
+        if not ACTIVE["on"]:
+            return orig(*a, **k)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = orig(*a, **k)
+        torch.cuda.synchronize()
+        TIMES[phase].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    setattr(cls, meth, timed)
+    return True
+
+
+def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
+    if arm == "nospec":
+        return None, {}
+    if arm in ("ours", "vllm_av"):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
+                "enable_adaptive_verification": True}
+        env = ({"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "0"} if arm == "ours"
+               else {"VLLM_AV_IMPL": "vllm"})
+        return spec, env
+    m = re.fullmatch(r"k(\d+)(v1)?", arm)
+    if not m:
+        raise SystemExit(f"unknown arm {arm}")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m.group(1))}
+    return spec, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if m.group(2) else {})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arm", required=True)
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", default=".gpu/prompts/humaneval.jsonl")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    spec, env = arm_config(args.arm, os.environ["DRAFT_MODEL"])
+    os.environ.update(env)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    wrapped = {ph: [s for s in specs if _wrap(ph, s)] for ph, specs in PHASES.items()}
+
+    from vllm import LLM, SamplingParams
+
+    texts = [json.loads(l).get("prompt") or json.loads(l)["messages"][0]["content"]
+             for l in open(args.prompts)]
+    llm = LLM(model=os.environ["TARGET_MODEL"], dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, gpu_memory_utilization=0.4, seed=0,
+              speculative_config=spec)
+    result = {"arm": args.arm, "env": env, "spec": spec, "wrapped": wrapped, "runs": []}
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        prompts = [texts[i % len(texts)] for i in range(c)]
+        sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=None)
+        llm.generate(prompts[: min(c, 8)], sp, use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        TIMES.clear()
+        ACTIVE["on"] = True
+        t1 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        timed_wall = time.perf_counter() - t1
+        ACTIVE["on"] = False
+        phases = {ph: {"calls": len(v), "mean_ms": sum(v) / len(v), "total_ms": sum(v)}
+                  for ph, v in TIMES.items() if v}
+        steps = phases.get("target_step", {}).get("calls") or 1
+        run = {"concurrency": c, "plain_wall_s": wall, "output_tokens": ntok,
+               "plain_tok_s": ntok / wall, "plain_ms_per_step_est": wall * 1e3 / steps,
+               "timed_wall_s": timed_wall, "steps": steps, "phases": phases}
+        result["runs"].append(run)
+        print(f"[{args.arm}] c={c}: {ntok / wall:,.0f} tok/s plain, {steps} steps; "
+              + ", ".join(f"{k} {v['mean_ms']:.2f} ms x{v['calls']}" for k, v in phases.items()),
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
