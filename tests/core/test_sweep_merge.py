@@ -89,7 +89,12 @@ def test_arms_build_the_documented_speculative_configs():
         "prompt_lookup_min": 2}
     ngram_ours = sweep.make_arm("ngram_ours", av_k=5).speculative_config("D")
     assert ngram_ours["num_speculative_tokens"] == 5 and ngram_ours["enable_adaptive_verification"]
-    assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # GPU baselines run plain vLLM (plugin off); CPU ones keep the plugin's
+    # sampling fix.
+    assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {
+        "VLLM_AV_IMPL": "off", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert dict(sweep.make_arm("k3", device="cpu").env) == {}
+    assert dict(sweep.make_arm("k7v1", device="cpu").env) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("k")
 

@@ -62,8 +62,39 @@ def check_supported(vllm_config) -> None:
         )
 
 
+def mrv2_available() -> bool:
+    from vllm_av.vllm.mrv2.patches import mrv2_available as available
+
+    return available()
+
+
+def route_mrv2(vllm_config) -> None:
+    """Model Runner V2: vLLM's AV machinery stays on (its own checks refuse
+    what it cannot serve); our options ride to the workers, where our
+    estimator and manager replace vLLM's."""
+    options = AVOptions.from_env().with_metrics_dir()
+    if options.test_lossy_admission:
+        raise ValueError(
+            "vllm-av: VLLM_AV_TEST_LOSSY_ADMISSION is a Model Runner V1 negative "
+            "control; unset it or set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    if not isinstance(vllm_config.additional_config, dict):
+        raise ValueError(
+            "vllm-av: --additional-config must be a dict to carry "
+            "adaptive-verification options"
+        )
+    register_collector(options.metrics_dir)
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
+    spec = vllm_config.speculative_config
+    logger.info(
+        "vllm-av: adaptive verification on Model Runner V2 (method=%s, K=%d%s)",
+        spec.method, spec.num_speculative_tokens,
+        "; adaptive drafting depth is Model Runner V1 only" if options.adaptive_depth else "",
+    )
+
+
 class RouteAdaptiveVerificationPatch(VllmPatch):
-    """Serve `enable_adaptive_verification` with vllm-av on Model Runner V1.
+    """Serve `enable_adaptive_verification` with vllm-av (Model Runner V1; V2 on CUDA).
 
     Target: vllm.config.vllm:VllmConfig.__post_init__
     Why: vLLM 0.32 refuses adaptive verification on Model Runner V1 (the only
@@ -75,8 +106,9 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
         check the combination is one we support (clear error otherwise),
         record our options in `additional_config["vllm_av"]` (a plain dict
         that reaches every process) and clear the flag, so that none of
-        vLLM's own AV machinery engages. On Model Runner V2 the flag is left
-        to vLLM unless VLLM_AV_IMPL says otherwise.
+        vLLM's own AV machinery engages. On Model Runner V2 (CUDA) record
+        our options and keep the flag: vLLM's AV machinery runs with our
+        estimator and manager in it (vllm_av/vllm/mrv2/patches.py).
     Upstream: a plugin seam for adaptive verification in Model Runner V1, or
         a speculative-config field naming the AV implementation.
     Remove when: vLLM accepts an out-of-tree AV implementation on every runner.
@@ -110,11 +142,13 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     "vllm-av: adaptive verification on Model Runner V1 "
                     "(method=%s, K=%d)", spec.method, spec.num_speculative_tokens,
                 )
+            elif mrv2_available():
+                route_mrv2(self)
             else:
                 raise ValueError(
                     "vllm-av serves enable_adaptive_verification on Model Runner "
-                    "V1 in this release: set VLLM_USE_V2_MODEL_RUNNER=0 to use "
-                    f"it, or {ENV_IMPL}=vllm for vLLM's built-in AV on Model "
-                    "Runner V2"
+                    "V2 on CUDA only: set VLLM_USE_V2_MODEL_RUNNER=0 to use "
+                    f"it on Model Runner V1, or {ENV_IMPL}=vllm for vLLM's "
+                    "built-in AV on Model Runner V2"
                 )
         type(self)._orig___post_init__(self)

@@ -46,12 +46,15 @@ def all_patches() -> list:
     """Every patch, in the order it is applied."""
     from vllm_av.vllm.config_patch import RouteAdaptiveVerificationPatch
     from vllm_av.vllm.mrv1.patches import MRV1_PATCHES
+    from vllm_av.vllm.mrv2.patches import MRV2_PATCHES
 
     return [
         # Config: route the flag to us before vLLM validates it.
         RouteAdaptiveVerificationPatch,
         # Model Runner V1: lossless sampling, scoring, budget, trimming, labels.
         *MRV1_PATCHES,
+        # Model Runner V2 (CUDA): our estimator and AV manager in vLLM's places.
+        *MRV2_PATCHES,
     ]
 
 
@@ -78,5 +81,19 @@ def register() -> None:
         for patch in patches_for(_device_type(), LOSSLESS_PATCHES):
             apply_patch(patch)
         return
-    for patch in patches_for(_device_type()):
+    for patch in runner_patches(patches_for(_device_type())):
         apply_patch(patch)
+
+
+def runner_patches(patches: list, env=None) -> list:
+    """Drop the Model Runner V2 patches where V1 is forced
+    (VLLM_USE_V2_MODEL_RUNNER=0): their targets are V2's own modules, which
+    such a process has no reason to import."""
+    import os
+
+    from vllm_av.vllm.mrv2.patches import MRV2_PATCHES
+
+    env = os.environ if env is None else env
+    if env.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        return [p for p in patches if p not in MRV2_PATCHES]
+    return patches

@@ -381,8 +381,12 @@ class RunnerForgetPatch(VllmPatch):
 
 def _attach_verifier(worker) -> None:
     options = av_options_of(worker.vllm_config)
+    runner = worker.model_runner
+    # Model Runner V2 (vllm.v1.worker.gpu.*) carries our options too, but
+    # there our estimator and manager sit inside vLLM's own AV (mrv2/).
+    if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+        return
     if options is not None:
-        runner = worker.model_runner
         setattr(runner, _OPTIONS_ATTR, options)
         setattr(runner, _AV_ATTR, build_verifier(runner, options))
 

@@ -1,0 +1,116 @@
+"""Our AV emits the target's own distribution on the GPU too.
+
+The CPU distribution test (tests/vllm/test_lossless_cpu.py, whose helpers
+and statistics this reuses) run on CUDA with the same tiny random-weight
+Llama pair in float32: at temperature 1, the first three tokens of N = 4000
+samples of one prompt, drawn through our AV on Model Runner V1 with CUDA
+graphs and a cost table under which the budget trims part of every step,
+must follow the exact target distribution (computed with transformers).
+Four chi-square tests at ALPHA = 1e-3: false-positive rate at most 4e-3.
+Negative control: the same engine with a token-dependent admission rule
+(VLLM_AV_TEST_LOSSY_ADMISSION) must be caught (p < ALPHA on token 2 or the
+joint of tokens 1-2), which shows the test has power on this device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+pytest.importorskip("scipy.stats")
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "vllm"))
+
+from test_lossless_cpu import ALPHA, K, NUM_SAMPLES, NUM_TOKENS, PROMPT, p_values  # noqa: E402
+
+SAMPLE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    cfg = json.loads(sys.argv[1])
+    llm = LLM(model=cfg["target"], dtype="float32", max_model_len=256, max_num_seqs=64,
+              gpu_memory_utilization=0.15, seed=0,
+              speculative_config={"method": "draft_model", "model": cfg["draft"],
+                                  "num_speculative_tokens": cfg["k"],
+                                  "draft_sample_method": "probabilistic",
+                                  "enable_adaptive_verification": True})
+    sp = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], sp, use_tqdm=False)
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids[:cfg["n_tokens"]]) for o in outs]))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tiny_models import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="module")
+def exact(models):
+    from tiny_models import first_tokens_distribution
+
+    return first_tokens_distribution(models.target, PROMPT, NUM_TOKENS).numpy()
+
+
+@pytest.fixture(scope="module")
+def cost_table(tmp_path_factory):
+    # Same shape as the CPU test's: verification gets dearer past 64 tokens
+    # per step, so at 64 concurrent samples the budget admits part of each
+    # step's drafts.
+    from vllm_av.core.cost_model import CostModel
+
+    path = tmp_path_factory.mktemp("gpu_lossless") / "cost.json"
+    verify = {1: [10.0], 64: [12.0], 128: [14.0], 192: [18.0], 256: [40.0], 512: [100.0]}
+    path.write_text(CostModel.from_samples(verify, {1: [1.0]}).to_json())
+    return path
+
+
+def sample(models, cost_table, metrics_dir, lossy: bool) -> np.ndarray:
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_AV_IMPL="ours",
+               VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_METRICS_DIR=str(metrics_dir),
+               VLLM_AV_METRICS_INTERVAL="1")
+    if lossy:
+        env.update(VLLM_AV_TEST_LOSSY_ADMISSION="1", VLLM_AV_ADAPTIVE_DEPTH="0")
+    cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
+           "prompt": PROMPT, "n": NUM_SAMPLES, "n_tokens": NUM_TOKENS}
+    proc = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps(cfg)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return np.array(json.loads(lines[-1][len("RESULT "):]))
+
+
+def test_our_av_on_gpu_matches_target_distribution(models, exact, cost_table, tmp_path):
+    from vllm_av.vllm.metrics import read_snapshot
+
+    tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False)
+    pvals = p_values(tokens, exact)
+    stats = read_snapshot(str(tmp_path / "metrics"))
+    print(f"GPU AV: N={len(tokens)} chi-square p-values {pvals}; AV counters {stats}")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and 0 < stats["trimmed"] < stats["drafted"], stats
+
+
+def test_negative_control_token_dependent_admission_is_detected_on_gpu(
+    models, exact, cost_table, tmp_path
+):
+    tokens = sample(models, cost_table, tmp_path / "metrics", lossy=True)
+    pvals = p_values(tokens, exact)
+    print(f"GPU lossy admission: chi-square p-values {pvals}")
+    assert min(pvals["token2"], pvals["joint12"]) < ALPHA, pvals

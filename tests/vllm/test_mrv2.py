@@ -1,0 +1,299 @@
+"""Model Runner V2 adapter: targets, interface parity with vLLM 0.32's AV
+manager and estimator, and the manager and estimator on CPU tensors."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_av.core.budget import size_budget  # noqa: E402
+from vllm_av.core.cost_model import CostModel  # noqa: E402
+from vllm_av.core.features import draft_features  # noqa: E402
+from vllm_av.core.selector import select_admitted  # noqa: E402
+from vllm_av.vllm.config import AVOptions  # noqa: E402
+from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
+from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
+from vllm_av.vllm.mrv2.patches import (  # noqa: E402
+    MRV2_PATCHES,
+    MRV2EstimatorPatch,
+    MRV2FactoryPatch,
+    mrv2_available,
+)
+
+K = 4
+R_MAX = 8
+
+
+# ------------------------------------------------------------- interface
+def test_patch_targets_exist_in_vllm_032():
+    import vllm.v1.worker.gpu.model_runner as runner
+    import vllm.v1.worker.gpu.spec_decode.speculator as speculator
+
+    assert callable(runner.maybe_create_adaptive_verification_manager)
+    assert inspect.isclass(speculator.OnlineAcceptanceEstimator)
+    for patch in MRV2_PATCHES:
+        assert patch.platforms == ("cuda",)
+        target = patch.resolve_target()
+        assert all(hasattr(target, a) for a in patch.attributes)
+
+
+def _params(fn):
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def _check_same_call(ours, theirs):
+    """Every parameter of vLLM's method, in order and kind; extras of ours
+    only after them, with defaults."""
+    mine, want = _params(ours), _params(theirs)
+    assert mine[: len(want)] == want, (mine, want)
+    extra = list(inspect.signature(ours).parameters.values())[len(want):]
+    assert all(p.default is not inspect.Parameter.empty for p in extra)
+
+
+def test_manager_has_vllm_managers_methods_and_signatures():
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import (
+        AdaptiveVerificationManager,
+    )
+
+    public = [n for n, v in vars(AdaptiveVerificationManager).items()
+              if callable(v) and (not n.startswith("_") or n == "__init__")]
+    assert {"get_num_tokens", "compact_batch", "reallocate_drafts",
+            "record_confidences", "add_request"} <= set(public)
+    for name in public:
+        _check_same_call(getattr(AVManager, name), getattr(AdaptiveVerificationManager, name))
+
+
+def test_estimator_has_vllm_estimators_signatures():
+    from vllm.v1.worker.gpu.spec_decode.acceptance_estimator import (
+        OnlineAcceptanceEstimator,
+    )
+
+    for name in ("__init__", "predict", "step"):
+        _check_same_call(getattr(AcceptanceEstimator, name),
+                         getattr(OnlineAcceptanceEstimator, name))
+
+
+def test_factory_signature_matches_and_replacement_is_keyword_only():
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+
+    theirs = inspect.signature(av.maybe_create_adaptive_verification_manager)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in theirs.parameters.values())
+    assert MRV2FactoryPatch.attributes == ("maybe_create_adaptive_verification_manager",)
+    assert MRV2EstimatorPatch.attributes == ("OnlineAcceptanceEstimator",)
+
+
+def test_mrv2_available_only_on_cuda():
+    assert mrv2_available("cuda")
+    assert not mrv2_available("cpu")
+
+
+# ------------------------------------------------------------- fakes
+def _req_states(ids):
+    return SimpleNamespace(
+        num_speculative_steps=K,
+        device=torch.device("cpu"),
+        max_num_reqs=R_MAX,
+        max_num_batched_tokens=64,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        num_computed_tokens_np=np.full(R_MAX, 100, dtype=np.int32),
+        prefill_len=SimpleNamespace(np=np.full(R_MAX, 10, dtype=np.int32)),
+    )
+
+
+def _cost():
+    # Flat verification up to 8 tokens, then steep: the budget must bind.
+    verify = {1: [1.0], 4: [1.0], 8: [1.0], 9: [3.0], 64: [30.0]}
+    return CostModel.from_samples(verify, {1: [0.5], 8: [0.5]})
+
+
+def _batch(idx):
+    idx = np.asarray(idx, dtype=np.int64)
+    return SimpleNamespace(num_reqs=len(idx), idx_mapping=torch.from_numpy(idx),
+                           idx_mapping_np=idx)
+
+
+def _manager(ids, estimator=None):
+    rs = _req_states(ids)
+    qsl = torch.zeros(R_MAX + 1, dtype=torch.int32)
+    m = AVManager(rs, qsl, num_bonus_tokens=1, max_total_logits=10_000,
+                  options=AVOptions(metrics_dir=""))
+    m.cost = _cost()
+    for i in range(len(ids)):
+        m.add_request(i)
+    return m
+
+
+def _step(m, ids, conf, drafts):
+    """One engine step: budget from stale scores, compaction, selection."""
+    per_req = {r: 1 + d for r, d in zip(ids, drafts)}
+    draft_tokens = {r: [0] * d for r, d in zip(ids, drafts) if d}
+    num_tokens = m.get_num_tokens(per_req, draft_tokens)
+    budget = m._batch[3]
+    sched = np.array([per_req[r] for r in ids], dtype=np.int32)
+    nd = np.array(drafts, dtype=np.int32)
+    cu_np = np.concatenate([[0], np.cumsum(nd + 1)]).astype(np.int32)
+    compact, _ = m.compact_batch(nd, sched, cu_np)
+    assert int(compact.sum()) == num_tokens
+    idx = torch.tensor([m.req_states.req_id_to_index[r] for r in ids])
+    cu, qsl, b = m.reallocate_drafts(ids, idx)
+    assert b == budget
+    admitted = (cu[1:] - cu[:-1] - 1).numpy()
+    return budget, num_tokens, admitted, cu.numpy(), qsl.numpy()
+
+
+def test_manager_step_admits_top_budget_prefixes_from_current_scores():
+    ids = ["a", "b", "c"]
+    m = _manager(ids)
+    first = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.99, 0.2, 0.9, 0.9]])
+    m.record_confidences(first, _batch([0, 1, 2]))
+    second = torch.tensor([[0.95, 0.9, 0.8, 0.7], [0.3, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.1]])
+    m.record_confidences(second, _batch([0, 1, 2]))
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, second, [K, K, K])
+
+    # The budget came from the FIRST step's scores (stale), via our sizer.
+    stale = torch.cumprod(first, 1).numpy().ravel()
+    assert budget == size_budget(stale, 3, 3, 3, m.cost, max_budget=3 * K)
+    assert 0 < budget < 3 * K
+    # Selection: our selector on the CURRENT survival.
+    want = select_admitted(torch.cumprod(second, 1), torch.full((3,), K), budget).numpy()
+    np.testing.assert_array_equal(admitted, want)
+    assert admitted.sum() == budget and num_tokens == 3 + budget
+    np.testing.assert_array_equal(qsl[: 4], np.concatenate([[0], np.cumsum(admitted + 1)]))
+    assert (qsl[4:] == num_tokens).all()
+
+
+def test_budget_never_reads_the_drafts_being_verified():
+    ids = ["a", "b"]
+    budgets = []
+    for current in (0.01, 0.99):
+        m = _manager(ids)
+        m.record_confidences(torch.full((2, K), 0.8), _batch([0, 1]))
+        m.record_confidences(torch.full((2, K), current), _batch([0, 1]))
+        budgets.append(_step(m, ids, None, [K, K])[0])
+    assert budgets[0] == budgets[1]
+
+
+def test_new_request_is_scored_with_the_estimator_prior():
+    ids = ["a", "b"]
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=1)
+    m = _manager(ids)
+    m.record_confidences(torch.full((2, K), 0.9), _batch([0, 1]))
+    m.record_confidences(torch.full((2, K), 0.9), _batch([0, 1]))
+    # "b" leaves, "c" takes its slot and has drafted once: its row in the
+    # stale copy is still b's (0.9), so it must be scored with the prior.
+    m.req_states.req_id_to_index = {"a": 0, "c": 1}
+    m.add_request(1)
+    m.record_confidences(torch.full((2, K), 0.9), _batch([0, 1]))
+    m.get_num_tokens({"a": 1 + K, "c": 1 + K}, {"a": [0] * K, "c": [0] * K})
+    stale = m._slots[m._stale_idx]
+    prior = est.prior_confidences().numpy()
+    np.testing.assert_allclose(stale.np[R_MAX], prior, rtol=1e-6)
+    assert m._first_record[1] > stale.step and m._first_record[0] <= stale.step
+    m._batch = None
+    del est
+
+
+def test_zero_and_full_budgets():
+    ids = ["a", "b"]
+    m = _manager(ids)
+    m.cost = CostModel.from_samples({1: [1.0], 64: [1000.0]}, {1: [0.0]})  # verifying hurts
+    m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
+    m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
+    budget, num_tokens, admitted, cu, _ = _step(m, ids, None, [K, K])
+    assert budget == 0 and num_tokens == 2 and admitted.tolist() == [0, 0]
+    m.cost = CostModel.from_samples({1: [1.0], 64: [1.0]}, {1: [0.0]})  # verifying is free
+    budget, num_tokens, admitted, cu, _ = _step(m, ids, None, [K, 2])
+    assert budget == K + 2 and admitted.tolist() == [K, 2]
+
+
+def test_cost_curves_from_step_timing_samples():
+    from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+    m = _manager(["a"])
+    m.cost = None
+    batches = list(m.batches_to_profile([1, 2, 4, 8]))
+    sizes = sorted({b["num_tokens"] for b in batches})
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 64 and max(sizes) <= 64
+    assert len(batches) == len(sizes) * m.options.profile_repeats
+    assert all(b["context_len"] == m.options.profile_context_len for b in batches)
+    samples = [StepTimingSample(forward_ms=1.0 + n / 100, drafter_ms=0.2, num_target_tokens=n,
+                                num_reqs=n, full_cudagraph=n <= 8) for n in sizes]
+    m.set_initial_cost_curves(samples)
+    assert m.cost.verify_cost(3) == pytest.approx(1.04)  # staircase: padded to 4
+    assert m.cost.draft_cost(8) == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------- estimator
+def test_estimator_predict_writes_features_and_confidences_skipping_padding():
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 3
+    idx = torch.tensor([5, 2, -1])
+    temp = torch.ones(R_MAX)
+    temp[2] = 0.5
+    conf = torch.full((R_MAX, K), -1.0)
+    est.predict(logits, idx, torch.tensor(1), conf, temp)
+    f = draft_features(logits[:2], torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(est.features[[5, 2], 1], f)
+    p = torch.sigmoid(est.coefficients[0] * f + est.coefficients[2])
+    torch.testing.assert_close(conf[:2, 1], p)
+    assert (conf[2:] == -1).all() and (conf[:, [0, 2, 3]] == -1).all()
+
+    # Block drafting (dflash): K rows per request, a step per row.
+    logits = torch.randn(2 * K, 50, generator=g)
+    idx = torch.tensor([3] * K + [-1] * K)
+    steps = torch.arange(K).repeat(2)
+    conf = torch.full((R_MAX, K), -1.0)
+    est.predict(logits, idx, steps, conf, temp)
+    torch.testing.assert_close(est.features[3], draft_features(logits[:K], 1.0))
+    assert (conf[0] >= 0).all() and (conf[1:] == -1).all()
+
+
+def test_estimator_step_feeds_our_core_estimator():
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    est.features[:2] = torch.tensor([[3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    before = est.coefficients.clone()
+    idx = torch.tensor([0, 1])
+    for _ in range(2):
+        est.step(idx, num_sampled=torch.tensor([3, 1]), num_rejected=torch.tensor([1, 2]))
+    assert est.core.num_steps == 2 and est.core.num_refits == 1
+    assert not torch.equal(est.coefficients, before)
+    torch.testing.assert_close(est.coefficients, est.core.coefficients)
+    # accepted 2 + 0, verified 3 + 2, per step.
+    assert est.totals.tolist() == [4.0, 10.0]
+    # The intercept of position 0 rose (a's first draft accepted), b's
+    # rejection pulled position 0 down: both labelled.
+    assert est.core.statistics()["count"].sum() == 0  # cleared by the refit
+
+
+def test_factory_returns_ours_only_with_our_options(monkeypatch):
+    import vllm_av.vllm.mrv2.patches as patches
+
+    calls = []
+
+    class FakeModule:
+        @staticmethod
+        def _orig_maybe_create_adaptive_verification_manager(**kwargs):
+            calls.append(kwargs)
+            return object() if kwargs["enable_adaptive_verification"] else None
+
+    monkeypatch.setattr(patches.importlib, "import_module", lambda name: FakeModule)
+    rs = _req_states(["a"])
+    kwargs = dict(enable_adaptive_verification=True, attn_groups=[], req_states=rs,
+                  query_start_loc=torch.zeros(R_MAX + 1, dtype=torch.int32),
+                  num_bonus_tokens=1, max_total_logits=1000)
+    ours_cfg = SimpleNamespace(additional_config={"vllm_av": AVOptions().to_dict()})
+    theirs_cfg = SimpleNamespace(additional_config={})
+    m = patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=ours_cfg)
+    assert isinstance(m, AVManager)
+    m = patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=theirs_cfg)
+    assert not isinstance(m, AVManager) and m is not None
+    kwargs["enable_adaptive_verification"] = False
+    assert patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=ours_cfg) is None
+    assert len(calls) == 3

@@ -1,0 +1,178 @@
+"""Our acceptance estimator behind the interface Model Runner V2's drafters call.
+
+vLLM 0.32's `DraftModelSpeculator` (vllm/v1/worker/gpu/spec_decode/speculator.py)
+builds `OnlineAcceptanceEstimator(max_num_reqs, num_speculative_steps, device)`
+at load time and calls, per engine step:
+
+  step(idx_mapping, num_sampled, num_rejected)
+      before drafting (`observe_verification`), with the outcome of the drafts
+      the target has just verified: num_sampled = accepted + 1 (0 for a chunked
+      prefill), num_rejected = verified drafts that were not accepted.
+  predict(logits, idx_mapping, draft_step, confidence_probs, temperature)
+      while drafting, inside the drafter's captured CUDA graph: turn one draft
+      step's logits into per-slot confidences, written at
+      confidence_probs[batch row, draft step].
+
+`AcceptanceEstimator` keeps that interface and delegates the science to the
+core: the feature is `vllm_av.core.features.draft_features` (logit(q_max) of
+the temperature-scaled draft distribution; it never reads the sampled token),
+the model and its fit are `vllm_av.core.estimator.OnlineAcceptanceEstimator`.
+
+CUDA graphs: `predict` is captured once and replayed, so everything it reads
+or writes lives in buffers allocated here, never reassigned: the coefficients
+are copied into `_coef` after every `step` (our estimator replaces its
+coefficient tensor at each refit, which a graph would not see). Padded rows
+(idx_mapping -1) write to a scratch row. No host sync anywhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from vllm_av.core.estimator import OnlineAcceptanceEstimator
+from vllm_av.core.features import draft_features
+
+# The estimator of this process, per device, for the MRV2 manager (which vLLM
+# builds without a handle on the drafter): new requests get its prior.
+_LIVE: dict[str, "weakref.ReferenceType[AcceptanceEstimator]"] = {}
+
+
+def _key(device) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def live_estimator(device) -> "AcceptanceEstimator | None":
+    ref = _LIVE.get(_key(device))
+    return ref() if ref is not None else None
+
+
+class AcceptanceEstimator:
+    """vLLM's MRV2 estimator interface over our online estimator."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        num_speculative_steps: int,
+        device: torch.device,
+        refit_interval: int | None = None,
+    ):
+        self.num_speculative_steps = K = num_speculative_steps
+        self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)
+        if refit_interval is None:
+            refit_interval = _options_refit_interval()
+        self.core = OnlineAcceptanceEstimator(K, refit_interval=refit_interval, device=self.device)
+        # Feature of each draft slot by request-state slot; row max_num_reqs
+        # is the scratch row that padded rows write to.
+        self.features = torch.zeros(max_num_reqs + 1, K, dtype=torch.float32, device=self.device)
+        # [w, b_0 .. b_{K-1}], refreshed in place after every step.
+        self._coef = self.core.coefficients.to(self.device).clone()
+        # Scratch copy of the caller's confidence buffer (the speculator's
+        # [max_num_reqs, K] float32 draft_token_confidence_probs) plus one
+        # row; allocated here, not during graph capture.
+        self._conf_scratch = torch.zeros(max_num_reqs + 1, K, dtype=torch.float32, device=self.device)
+        # Accepted and verified drafts so far (device counters, for metrics).
+        self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        _LIVE[_key(self.device)] = weakref.ref(self)
+
+    # ------------------------------------------------------------- predict
+    def predict(
+        self,
+        logits: torch.Tensor,  # [N, V] draft logits, pre-temperature
+        idx_mapping: torch.Tensor,  # [N] request-state slot, -1 for padding
+        draft_step: torch.Tensor,  # 0-d (one step for all rows) or [N]
+        confidence_probs: torch.Tensor,  # [max_num_reqs, K] by batch row
+        temperature: torch.Tensor,  # [max_num_reqs] by request-state slot
+    ) -> None:
+        N = logits.shape[0]
+        K, R = self.num_speculative_steps, self.max_num_reqs
+        dev = logits.device
+        valid = idx_mapping >= 0  # [N]
+        slot = torch.where(valid, idx_mapping, torch.full_like(idx_mapping, R)).long()
+        rows = torch.arange(N, device=dev)
+        if draft_step.dim() == 0:
+            step = draft_step.reshape(1).long().expand(N)  # [N]
+            batch_row = rows
+        else:
+            # One pass sampled the whole block: K consecutive rows per request.
+            step = draft_step.reshape(-1).long()
+            batch_row = torch.div(rows, K, rounding_mode="floor")
+        temp = temperature.index_select(0, slot.clamp(max=R - 1))  # [N]
+        feat = draft_features(logits, temp)  # [N]; never reads the sampled token
+        self.features.index_put_((slot, step), feat)
+        coef = self._coef
+        prob = torch.sigmoid(coef[0] * feat + coef[1:].index_select(0, step))  # [N]
+        # Padded rows (and rows past the buffer) go to the scratch row.
+        scratch = self._scratch_for(confidence_probs)
+        scratch[:R].copy_(confidence_probs)
+        target = torch.where(valid & (batch_row < R), batch_row, torch.full_like(batch_row, R))
+        scratch.index_put_((target, step), prob.to(scratch.dtype))
+        confidence_probs.copy_(scratch[:R])
+
+    def _scratch_for(self, confidence_probs: torch.Tensor) -> torch.Tensor:
+        s = self._conf_scratch
+        if s is None or s.shape[1:] != confidence_probs.shape[1:] or s.dtype != confidence_probs.dtype:
+            # Another buffer shape than expected: allocate (eager calls only).
+            s = torch.zeros(
+                confidence_probs.shape[0] + 1, *confidence_probs.shape[1:],
+                dtype=confidence_probs.dtype, device=confidence_probs.device,
+            )
+            self._conf_scratch = s
+        return s
+
+    # ---------------------------------------------------------------- step
+    def step(
+        self,
+        idx_mapping: torch.Tensor,  # [R] request-state slots of this batch
+        num_sampled: torch.Tensor,  # [R] accepted + 1, 0 for a chunked prefill
+        num_rejected: torch.Tensor,  # [R] verified drafts not accepted
+    ) -> None:
+        """Fit on the drafts the target has just verified (features recorded
+        when they were drafted; `predict` overwrites them next)."""
+        R = self.max_num_reqs
+        valid = idx_mapping >= 0
+        slot = torch.where(valid, idx_mapping, torch.full_like(idx_mapping, R)).long()
+        feats = self.features.index_select(0, slot)  # [n, K]
+        accepted = (num_sampled.long() - 1).clamp(min=0)
+        verified = accepted + num_rejected.long().clamp(min=0)
+        zero = torch.zeros_like(verified)
+        verified = torch.where(valid, verified, zero)
+        accepted = torch.where(valid, accepted, zero)
+        self.core.observe(feats, verified, accepted)
+        self._coef.copy_(self.core.coefficients)
+        self.totals += torch.stack([accepted.sum(), verified.sum()]).double()
+
+    # --------------------------------------------------------------- prior
+    def prior_confidences(self) -> torch.Tensor:
+        """[K] conditional acceptance rates for a request with no history:
+        the ratios of the core estimator's prior survival (on device)."""
+        surv = self.core.prior_survival(self.num_speculative_steps).float()  # [K]
+        prev = torch.cat([surv.new_ones(1), surv[:-1]])
+        return torch.where(prev > 0, surv / prev.clamp(min=1e-30), torch.zeros_like(surv))
+
+    @property
+    def coefficients(self) -> torch.Tensor:
+        return self._coef
+
+
+def _options_refit_interval() -> int:
+    """Our refit interval from the config vLLM is building (our options ride
+    in additional_config); the core default when none is current."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        from vllm_av.vllm.config import av_options_of
+
+        options = av_options_of(get_current_vllm_config())
+    except Exception:  # noqa: BLE001 - no current config: defaults
+        options = None
+    if options is None:
+        from vllm_av.core.estimator import DEFAULT_REFIT_INTERVAL
+
+        return DEFAULT_REFIT_INTERVAL
+    return options.refit_interval

@@ -1,0 +1,404 @@
+"""Our adaptive-verification manager for vLLM 0.32's Model Runner V2.
+
+Drop-in for `vllm.v1.worker.gpu.spec_decode.adaptive_verification.
+AdaptiveVerificationManager`: the same constructor and methods, called from
+the same places of `vllm/v1/worker/gpu/model_runner.py`; the budget, the
+selection and the cost model are ours (vllm_av.core). Per engine step:
+
+  record_confidences   after drafting: this step's confidences by request
+                       slot (device), and an asynchronous copy to the host
+                       that a LATER step's budget reads (double-buffered).
+  get_num_tokens       next step, on the host: B* = size_budget(stale survival
+                       scores, ...) with our CostModel; returns the step's
+                       token count (known on the host, so a CUDA graph of that
+                       size can be picked).
+  compact_batch        host placeholder layout (B spread evenly); the true
+                       per-request split is decided on the device.
+  reallocate_drafts    on the device, no host sync: select_admitted over the
+                       CURRENT survival (ties: earlier position, then lower
+                       batch row) -> per-request admitted prefix, cu_num_logits
+                       and query_start_loc for the varlen verify.
+
+Losslessness (DESIGN 2.5): B depends only on confidences of drafts made one
+step before the drafts being verified (or the estimator's prior for a new
+request) and on counts fixed before drafting; slot i's admission then depends
+only on slots that outrank it, none of which is a function of draft token x_i.
+
+Start-up: `batches_to_profile` lists dummy steps at every captured size and a
+few above (our profile_context_len and profile_repeats), and
+`set_initial_cost_curves` builds `CostModel.from_samples` from their timings
+(drafter timings from full-graph replays only); VLLM_AV_COST_TABLE loads a
+saved table instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_av.core.budget import size_budget
+from vllm_av.core.cost_model import CostModel
+from vllm_av.core.selector import compiled_select_admitted, select_admitted
+from vllm_av.core.survival import survival
+from vllm_av.vllm.config import AVOptions
+
+logger = logging.getLogger("vllm.vllm_av")
+
+
+@dataclass
+class ManagerStats:
+    """Host-side totals (admitted drafts are all verified on MRV2)."""
+
+    num_steps: int = 0
+    drafted: int = 0
+    admitted: int = 0
+    trimmed: int = 0
+    last_budget: int = 0
+    # From the device counters, as of the last landed copy (one step old).
+    accepted: int = 0
+    verified: int = 0
+    coefficients: list = field(default_factory=list)
+
+
+class _StaleSlot:
+    """One of the two host copies: [R + 1, K] confidences by request slot
+    (row R: the prior's conditional rates) and a stats vector."""
+
+    def __init__(self, R: int, K: int, device: torch.device, pinned: bool) -> None:
+        self.dev = torch.ones(R + 1, K, dtype=torch.float32, device=device)
+        self.host = torch.ones(R + 1, K, dtype=torch.float32, pin_memory=pinned)
+        self.np = self.host.numpy()
+        self.stats_dev = torch.zeros(K + 3, dtype=torch.float64, device=device)
+        self.stats_host = torch.zeros(K + 3, dtype=torch.float64, pin_memory=pinned)
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.step = -1  # record step whose data this slot holds
+
+
+def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+    """Host ints to a device buffer without a sync (staged through pinned
+    memory on CUDA by vLLM's helper)."""
+    if out.device.type == "cpu":
+        return out.copy_(torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype))
+    from vllm.utils.torch_utils import async_tensor_h2d
+
+    return async_tensor_h2d(np.ascontiguousarray(values).astype(np.int32), out=out)
+
+
+def _sync_allowed():
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+        return gpu_sync_allowed()
+    except ImportError:  # pragma: no cover - older vLLM
+        return contextlib.nullcontext()
+
+
+class AVManager:
+    """Same interface as vLLM 0.32's AdaptiveVerificationManager."""
+
+    def __init__(
+        self,
+        req_states,
+        query_start_loc: torch.Tensor,
+        num_bonus_tokens: int,
+        max_total_logits: int,
+        options: AVOptions | None = None,
+        rank: int = 0,
+    ):
+        self.req_states = req_states
+        self.num_speculative_steps = K = req_states.num_speculative_steps
+        self.device = device = torch.device(req_states.device)
+        self.num_bonus_tokens = num_bonus_tokens
+        self._max_total_logits = max_total_logits
+        self.query_start_loc = query_start_loc
+        self.options = options or AVOptions()
+        self.rank = rank
+        self.cost: CostModel | None = None
+        if self.options.cost_table:
+            with open(self.options.cost_table) as f:
+                self.cost = CostModel.from_json(f.read())
+        self._cudagraph_limit = 0
+        self._capture_sizes: list[int] = []
+        self.R = R = req_states.max_num_reqs
+        cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+        # Current confidences by request slot (device).
+        self._conf = torch.ones(R, K, dtype=torch.float32, device=device)
+        self._drafted = torch.zeros(R, dtype=torch.int32, device=device)
+        self._admitted = torch.zeros(R, dtype=torch.int32, device=device)
+        self._non_draft = torch.zeros(R, dtype=torch.int32, device=device)
+        self._cu_num_logits = torch.zeros_like(query_start_loc)
+        self._slots = [_StaleSlot(R, K, device, pinned=cuda) for _ in range(2)]
+        self._stale_idx = 0
+        self._record_step = 0
+        # Record step of each request slot's first confidences (inf: none yet).
+        self._first_record = np.full(R, np.iinfo(np.int64).max, dtype=np.int64)
+        self._batch: tuple | None = None
+        self._select = compiled_select_admitted() if cuda else select_admitted
+        self.stats = ManagerStats()
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req_idx: int) -> None:
+        """A new request in slot `req_idx`: until its own confidences reach
+        the host, the budget scores it with the estimator's prior."""
+        self._first_record[req_idx] = np.iinfo(np.int64).max
+        self._conf[req_idx].fill_(1.0)
+
+    # ----------------------------------------------------------- profiling
+    def batches_to_profile(self, capture_sizes: list[int]):
+        """Dummy-run kwargs (num_tokens, context_len) whose step timings
+        become the cost tables: every captured size, then sizes above the
+        largest (1.5x, then doubling up to max_num_batched_tokens)."""
+        self._capture_sizes = sorted(capture_sizes)
+        limit = self._cudagraph_limit = self._capture_sizes[-1] if capture_sizes else 0
+        max_tokens = self.req_states.max_num_batched_tokens
+        sizes = list(self._capture_sizes)
+        if limit:
+            extra = {min(limit + limit // 2, max_tokens)}
+            n = limit
+            while n < max_tokens:
+                n = min(2 * n, max_tokens)
+                extra.add(n)
+            sizes += sorted(extra - set(sizes))
+        for num_tokens in sizes:
+            for _ in range(self.options.profile_repeats):
+                yield {"num_tokens": num_tokens, "context_len": self.options.profile_context_len}
+
+    def set_initial_cost_curves(self, samples) -> None:
+        """`samples`: vLLM StepTimingSample (forward_ms, drafter_ms,
+        num_target_tokens, num_reqs, full_cudagraph) of the profiled runs."""
+        verify: dict[int, list[float]] = defaultdict(list)
+        draft: dict[int, list[float]] = defaultdict(list)
+        for s in samples:
+            verify[int(s.num_target_tokens)].append(float(s.forward_ms))
+            # Eager target steps stretch the drafter's timing (the host is
+            # still launching); only graph replays price drafting.
+            if s.full_cudagraph:
+                draft[int(s.num_reqs)].append(float(s.drafter_ms))
+        self.set_cost_curves(sorted(draft.items()), sorted(verify.items()))
+
+    def set_cost_curves(self, draft_curve, verify_curve) -> None:
+        """Curves as (size, ms) or (size, [ms, ...]) pairs. Every TP rank must
+        size the same budget, so rank 0's curves are broadcast."""
+        try:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            draft_curve, verify_curve = get_tp_group().broadcast_object(
+                (list(draft_curve), list(verify_curve)), src=0
+            )
+        except (AssertionError, ImportError, RuntimeError):
+            pass  # no TP group (tests, single process)
+        if self.options.cost_table and self.cost is not None:
+            logger.info("vllm-av (MRV2): %s (from %s)", self.cost.summary(), self.options.cost_table)
+        else:
+            if not draft_curve or not verify_curve:
+                raise RuntimeError(
+                    "vllm-av: adaptive verification could not profile step costs; "
+                    "set VLLM_AV_COST_TABLE to a saved table, or remove "
+                    "enable_adaptive_verification from the speculative config"
+                )
+
+            def samples(curve):
+                return {int(n): (list(v) if isinstance(v, (list, tuple)) else [float(v)])
+                        for n, v in curve}
+
+            self.cost = CostModel.from_samples(
+                samples(verify_curve), samples(draft_curve), graph_sizes=self._capture_sizes
+            )
+            logger.info("vllm-av (MRV2): %s", self.cost.summary())
+        out = os.environ.get("VLLM_AV_COST_TABLE_OUT")
+        if out and self.rank == 0:
+            with open(out, "w") as f:
+                f.write(self.cost.to_json())
+        self._warm_selector()
+
+    def _warm_selector(self) -> None:
+        """Compile the selector now (one static shape: all request slots),
+        not at the first served step."""
+        K = self.num_speculative_steps
+        drafted = torch.full((self.R,), K, dtype=torch.int32, device=self.device)
+        self._select(torch.ones(self.R, K, device=self.device), drafted, 1)
+
+    # ------------------------------------------------------------ per step
+    def record_confidences(self, confidence_probs: torch.Tensor, input_batch) -> None:
+        """This step's confidences [>= num_reqs, K] by batch row: keep them
+        for the next step's selection and start their copy to the host."""
+        n = input_batch.num_reqs
+        ready = self._stale_idx ^ 1
+        slot = self._slots[ready]
+        if slot.event is not None:
+            with _sync_allowed():
+                slot.event.synchronize()  # last step's copy: long landed
+        self._stale_idx, write = ready, self._stale_idx
+        self._land_stats(slot)
+
+        self._conf[input_batch.idx_mapping] = confidence_probs[:n].float()
+        idx = np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64)
+        self._first_record[idx] = np.minimum(self._first_record[idx], self._record_step)
+
+        out = self._slots[write]
+        out.dev[: self.R].copy_(self._conf)
+        est = self._estimator()
+        if est is not None:
+            out.dev[self.R].copy_(est.prior_confidences())
+            out.stats_dev[:2].copy_(est.totals)
+            out.stats_dev[2:].copy_(est.coefficients.double())
+        out.step = self._record_step
+        self._record_step += 1
+        if self._copy_stream is None:
+            out.host.copy_(out.dev)
+            out.stats_host.copy_(out.stats_dev)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(main)
+        with torch.cuda.stream(self._copy_stream):
+            out.host.copy_(out.dev, non_blocking=True)
+            out.stats_host.copy_(out.stats_dev, non_blocking=True)
+            out.event.record()
+        # The device buffers must outlive the copy on the side stream.
+        out.dev.record_stream(self._copy_stream)
+        out.stats_dev.record_stream(self._copy_stream)
+
+    def _estimator(self):
+        from vllm_av.vllm.mrv2.estimator import live_estimator
+
+        return live_estimator(self.device)
+
+    def _land_stats(self, slot: _StaleSlot) -> None:
+        if slot.step < 0:
+            return
+        s = slot.stats_host.numpy()
+        self.stats.accepted, self.stats.verified = int(s[0]), int(s[1])
+        self.stats.coefficients = s[2:].tolist()
+
+    def get_num_tokens(self, num_tokens_per_req: dict, draft_tokens: dict) -> int:
+        """Size the draft budget B (host, stale scores) and return the step's
+        token count: its non-draft tokens plus B."""
+        if self.cost is None:
+            raise RuntimeError("vllm-av: MRV2 AV manager used before its cost tables were built")
+        req_ids = list(num_tokens_per_req)
+        n = len(req_ids)
+        tokens = np.fromiter(num_tokens_per_req.values(), dtype=np.int64, count=n)
+        drafts = np.fromiter((len(draft_tokens.get(r, ())) for r in req_ids), dtype=np.int64, count=n)
+        drafts = np.minimum(drafts, self.num_speculative_steps)
+        non_draft = tokens - drafts
+        slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids),
+                            dtype=np.int64, count=n)
+        stale = self._slots[self._stale_idx]
+        conf = stale.np[slots].astype(np.float64)  # [n, K]
+        fresh = self._first_record[slots] > stale.step  # no own confidences in this copy
+        if fresh.any():
+            conf[fresh] = stale.np[self.R]
+        scores = survival(conf)[np.arange(self.num_speculative_steps) < drafts[:, None]]
+        num_sampling = int(np.count_nonzero(
+            self.req_states.num_computed_tokens_np[slots] + non_draft
+            >= self.req_states.prefill_len.np[slots]
+        ))
+        # Rejection sampling takes the logits in one chunk (vLLM's sampler
+        # cannot address a compacted layout across chunks).
+        cap = min(int(drafts.sum()), max(0, self._max_total_logits - n * self.num_bonus_tokens))
+        budget = size_budget(
+            scores, num_sampling=num_sampling, num_other_tokens=int(non_draft.sum()),
+            num_drafting_reqs=n, cost=self.cost, max_budget=cap,
+        )
+        self._batch = ({r: i for i, r in enumerate(req_ids)}, drafts, non_draft, budget)
+        st = self.stats
+        st.num_steps += 1
+        st.drafted += int(drafts.sum())
+        st.admitted += budget
+        st.trimmed += int(drafts.sum()) - budget
+        st.last_budget = budget
+        self._maybe_write_metrics()
+        return int(non_draft.sum()) + budget
+
+    def compact_batch(
+        self,
+        num_draft_tokens_per_req: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        cu_num_logits_np: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host layout of the compacted batch: B spread evenly over the
+        verifying requests (at the front of the batch), an upper-bound
+        cu_num_logits unless B is 0 (then exact)."""
+        assert self._batch is not None
+        budget = self._batch[3]
+        drafts = np.asarray(num_draft_tokens_per_req)
+        if budget == int(drafts.sum()):
+            return num_scheduled_tokens, cu_num_logits_np
+        non_draft = num_scheduled_tokens - drafts
+        if budget == 0:
+            n = len(num_scheduled_tokens)
+            cu = np.arange(n + 1, dtype=cu_num_logits_np.dtype) * self.num_bonus_tokens
+            return non_draft, cu
+        verifying = int(np.count_nonzero(drafts > 0))
+        assert np.all(drafts[:verifying] > 0), "verifying requests must lead the batch"
+        spread = np.zeros_like(non_draft)
+        spread[:verifying] = budget // verifying
+        spread[: budget % verifying] += 1
+        return non_draft + spread, cu_num_logits_np
+
+    def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor):
+        """Admit the B best current slots on the device and lay out the
+        verify batch. Returns (cu_num_logits [n + 1], query_start_loc
+        [max_num_reqs + 1], B)."""
+        batch, self._batch = self._batch, None
+        assert batch is not None
+        row_of, drafts_all, non_draft_all, budget = batch
+        order = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        drafts, non_draft = drafts_all[order], non_draft_all[order]
+        n = idx_mapping.shape[0]
+        num_tokens = int(non_draft.sum()) + budget
+        admitted = self._admitted[:n]
+        if budget == 0:
+            admitted.zero_()
+        elif budget == int(drafts.sum()):
+            _h2d(drafts, admitted)
+        else:
+            # Static shape (all R slots; rows past n drafted nothing), so the
+            # compiled selector never recompiles. Position-major ranking is
+            # unchanged by the padding rows.
+            drafted = self._drafted
+            drafted.zero_()
+            _h2d(drafts, drafted[:n])
+            conf = torch.ones_like(self._conf)
+            conf[:n] = self._conf.index_select(0, idx_mapping.long())
+            admitted.copy_(self._select(survival(conf), drafted, budget)[:n])
+        nd = _h2d(non_draft, self._non_draft[:n])
+        cu = self._cu_num_logits
+        cu[:1].zero_()
+        torch.cumsum(admitted + self.num_bonus_tokens, dim=0, dtype=cu.dtype, out=cu[1 : n + 1])
+        qsl = self.query_start_loc
+        qsl[:1].zero_()
+        torch.cumsum(admitted + nd, dim=0, dtype=qsl.dtype, out=qsl[1 : n + 1])
+        qsl[n + 1 :].fill_(num_tokens)
+        return cu[: n + 1], qsl, budget
+
+    # ------------------------------------------------------------- metrics
+    def _maybe_write_metrics(self) -> None:
+        o = self.options
+        if not o.metrics_dir or self.stats.num_steps % o.metrics_interval:
+            return
+        from vllm_av.vllm.metrics import write_snapshot
+
+        write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank)
+
+    def _snapshot_view(self):
+        """The fields vllm_av.vllm.metrics.snapshot reads, from host numbers
+        only (no sync): coefficients and accepted counts are one step old."""
+        s, K = self.stats, self.num_speculative_steps
+        coef = s.coefficients or [float("nan")] * (K + 1)
+        stats = SimpleNamespace(
+            num_steps=s.num_steps, drafted=s.drafted, verified=s.verified,
+            admitted=s.admitted, accepted=s.accepted, trimmed=s.trimmed,
+            last_budget=s.last_budget, last_depth=K, depth_steps=0, zero_depth_steps=0,
+            predicted=np.zeros(K), observed=np.zeros(K), labelled=np.zeros(K),
+        )
+        est = SimpleNamespace(slope=coef[0], intercepts=coef[1:])
+        return SimpleNamespace(stats=stats, estimator=est)
