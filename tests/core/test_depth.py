@@ -10,7 +10,7 @@ import torch
 
 from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
-from vllm_av.core.verifier import EXPLORE_MIN_INTERVAL, AdaptiveVerifier
+from vllm_av.core.verifier import EXPLORE_MAX_TIME_SHARE, EXPLORE_MIN_INTERVAL, AdaptiveVerifier
 
 K = 7
 FLAT_VERIFY = {1: [1.0], 4096: [1.0]}  # extra tokens are free
@@ -38,7 +38,18 @@ def _depths(v: AdaptiveVerifier, R: int, steps: int) -> list[int]:
     return out
 
 
-def test_prohibitive_drafting_cost_chooses_depth_zero_between_explorations():
+@pytest.fixture
+def no_time_share_bound(monkeypatch):
+    """Exploration paced by the step-count rule alone."""
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
+
+
+def _costly_drafter(draft_ms: float = 1e6) -> AdaptiveVerifier:
+    """Profiled: 90% of a full drafting step at depth 1 (one forward)."""
+    return _verifier(draft_ms, draft_by_depth={1: {1: [0.9 * draft_ms]}, K: {1: [draft_ms]}})
+
+
+def test_prohibitive_drafting_cost_chooses_depth_zero_between_explorations(no_time_share_bound):
     R = 4
     depths = _depths(_verifier(draft_ms=1e6), R, 3 * EXPLORE_MIN_INTERVAL)
     explore = [i for i, d in enumerate(depths) if d]
@@ -55,7 +66,9 @@ def test_free_drafting_and_free_extra_tokens_choose_full_depth():
 
 
 @pytest.mark.parametrize("R, interval", [(1, 8), (16, 8), (64, 32), (256, 128)])
-def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(R, interval):
+def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(
+    R, interval, no_time_share_bound
+):
     depths = _depths(_verifier(draft_ms=1e6), R, 2 * interval + 1)
     full = [i + 1 for i, d in enumerate(depths) if d == K]  # 1-based step numbers
     assert full == [interval, 2 * interval]
@@ -167,3 +180,45 @@ def test_cost_json_round_trips_depths_and_reads_tables_without_them():
     legacy = CostModel.from_json(old)
     assert legacy.draft_by_depth == {}
     assert legacy.draft_cost_at_depth(1, 1, K) == pytest.approx(1.0)
+
+
+def test_exploration_takes_at_most_its_time_share_when_full_depth_is_dear():
+    # Depth 0 is free and a full-depth step costs 100x a plain one: exploring
+    # every 8 steps would spend most of the time there.
+    v = _verifier(draft_ms=100.0)
+    R, steps = 4, 2000
+    depths = _depths(v, R, steps)
+    time_explore = sum(100.0 for d in depths if d == K)
+    time_total = sum(1.0 + 100.0 * d / K for d in depths)
+    assert 0 < depths.count(K) and time_explore / time_total <= EXPLORE_MAX_TIME_SHARE + 0.01
+
+
+def test_measured_drafting_time_corrects_the_profiled_table():
+    v = _costly_drafter(draft_ms=1.0)  # profiled: 0.9 ms at depth 1, 1 ms at K
+    for _ in range(50):
+        v.observe_draft_time(K, 4, 10.0)  # real full-depth steps cost 10x
+    assert v.cost.draft_cost_at_depth(4, K, K) == pytest.approx(10.0, rel=1e-3)
+    assert v.cost.draft_cost(4) == pytest.approx(10.0, rel=1e-3)
+    # Depths never measured borrow the nearest measured depth's correction.
+    assert v.cost.draft_cost_at_depth(4, 1, K) == pytest.approx(9.0, rel=1e-3)
+    v.observe_draft_time(1, 4, 0.9)  # depth 1 measured as profiled
+    for _ in range(50):
+        v.observe_draft_time(1, 4, 0.9)
+    assert v.cost.draft_cost_at_depth(4, 1, K) == pytest.approx(0.9, rel=1e-3)
+    # Profiled tables themselves are untouched; bad samples are ignored.
+    assert v.cost.profiled_draft_cost(4, K, K) == pytest.approx(1.0)
+    v.observe_draft_time(K, 4, float("nan"))
+    v.observe_draft_time(K, 0, 5.0)
+    assert v.cost.draft_cost(4) == pytest.approx(10.0, rel=1e-3)
+
+
+def test_calibration_moves_the_depth_decision():
+    # Verification nearly free per token, drafting profiled as cheap: full
+    # depth. Measured drafting 100x dearer than profiled: depth 0.
+    verify = {1: [1.0], 4096: [1.05]}
+    v = _verifier(draft_ms=0.1, verify=verify)
+    ids = _ids(8)
+    assert v.choose_depth(ids, 8, 8) == K
+    for _ in range(30):
+        v.observe_draft_time(K, 8, 10.0)
+    assert v.choose_depth(ids, 8, 8) == 0

@@ -69,10 +69,11 @@ def test_prohibitive_drafting_makes_most_steps_draft_nothing(greedy_runs):
     _, _, s = greedy_runs
     assert s["depth_steps"] >= MAX_TOKENS // 2
     assert s["zero_depth_steps"] > s["depth_steps"] / 2, s
-    # Only the exploration steps drafted, each K deep for every request.
+    # Only exploration steps may draft, each K deep for every request; with
+    # drafting this dear, exploring would exceed its time share
+    # (EXPLORE_MAX_TIME_SHARE), so there may be none at all.
     drafting_steps = s["depth_steps"] - s["zero_depth_steps"]
-    assert 0 < drafting_steps
-    assert 0 < s["drafted"] <= drafting_steps * NUM_PROMPTS * K
+    assert s["drafted"] <= drafting_steps * NUM_PROMPTS * K
     assert s["depth"] in (0, K)
 
 

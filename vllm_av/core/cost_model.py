@@ -158,6 +158,18 @@ class CostModel:
         self.draft_by_depth = dict(sorted((int(d), c) for d, c in (draft_by_depth or {}).items()))
         if any(d < 0 for d in self.draft_by_depth):
             raise ValueError(f"draft depths must be >= 0, got {list(self.draft_by_depth)}")
+        # Multiplier per drafting depth learnt from measured drafting steps
+        # (see DraftCostCalibration); empty: the profiled tables as they are.
+        self.draft_scale: dict[int, float] = {}
+
+    def _draft_scale(self, depth: int) -> float:
+        if not self.draft_scale:
+            return 1.0
+        if depth in self.draft_scale:
+            return self.draft_scale[depth]
+        # The nearest measured depth (ties: the deeper one) stands in.
+        near = min(self.draft_scale, key=lambda d: (abs(d - depth), -d))
+        return self.draft_scale[near]
 
     @classmethod
     def from_samples(
@@ -201,18 +213,24 @@ class CostModel:
         return self.verify.table(stop)[start:]
 
     def draft_cost(self, num_reqs):
-        """Drafting cost (ms) of one step for `num_reqs` drafting requests."""
-        return self.draft(num_reqs)
+        """Drafting cost (ms) of one step for `num_reqs` drafting requests
+        (at the profiled depth K, with its measured correction if any)."""
+        return self.draft(num_reqs) * self._draft_scale(max(self.draft_scale, default=0))
 
     def draft_cost_at_depth(self, num_reqs, depth: int, num_speculative_tokens: int):
         """Drafting cost (ms) of a step that drafts `depth` tokens for each of
         `num_reqs` requests, when `draft_cost` is a step at depth
         `num_speculative_tokens` (K). See the module docstring."""
         depth, K = int(depth), int(num_speculative_tokens)
+        return self.profiled_draft_cost(num_reqs, depth, K) * self._draft_scale(depth)
+
+    def profiled_draft_cost(self, num_reqs, depth: int, num_speculative_tokens: int):
+        """`draft_cost_at_depth` from the profiled tables alone."""
+        depth, K = int(depth), int(num_speculative_tokens)
         if depth == K:
-            return self.draft_cost(num_reqs)
+            return self.draft(num_reqs)
         if not self.draft_by_depth:
-            return self.draft_cost(num_reqs) * (depth / max(K, 1))
+            return self.draft(num_reqs) * (depth / max(K, 1))
         depths = list(self.draft_by_depth)  # sorted
         if len(depths) == 1 or depth <= depths[0]:
             return self.draft_by_depth[depths[0]](num_reqs)

@@ -127,6 +127,17 @@ INITIAL_SLOTS = 64
 # requests one step in 128 gives 256 labels per position for about 1/128 of
 # a full drafting step.
 EXPLORE_MIN_INTERVAL = 8
+# ... and, where a full-depth step costs much more than the chosen one (a
+# costly drafter), no more than this share of the time goes to exploring.
+EXPLORE_MAX_TIME_SHARE = 0.05
+# Measured drafting times correct the profiled drafting tables (per depth,
+# exponentially weighted in log space with this weight per measurement):
+# start-up profiles time the drafter's dummy runs, which can miss costs that
+# real drafting steps pay (on the H200 with vLLM 0.32, real draft-model
+# steps cost 4-12x their profiled dummy runs: the drafter ran outside CUDA
+# graphs). Ratios are clipped to this range.
+DRAFT_CALIBRATION_WEIGHT = 0.2
+DRAFT_CALIBRATION_CLIP = (0.05, 100.0)
 # Feature (logit(q_max)) given to undrafted slots before any slot at that
 # position was drafted: q_max = 0.88, a confident drafter.
 UNDRAFTED_FEATURE = 2.0
@@ -175,6 +186,7 @@ class AdaptiveVerifier:
         # since the last exploration step.
         self._last_depth: int | None = None
         self._since_explore = 0
+        self._draft_log_scale: dict[int, float] = {}
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -212,7 +224,7 @@ class AdaptiveVerifier:
         if R == 0:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
-        if self._since_explore >= max(EXPLORE_MIN_INTERVAL, R // 2):
+        if self._since_explore >= self._explore_interval(R, num_other_tokens):
             self._since_explore, d = 0, K
         else:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
@@ -223,6 +235,36 @@ class AdaptiveVerifier:
         s.depth_steps += 1
         s.zero_depth_steps += int(d == 0)
         return d
+
+    def _explore_interval(self, R: int, num_other_tokens: int) -> int:
+        """Steps between two full-depth steps: see EXPLORE_MIN_INTERVAL and
+        EXPLORE_MAX_TIME_SHARE (costs at the last chosen depth, verifying
+        nothing but the batch's own tokens)."""
+        interval = max(EXPLORE_MIN_INTERVAL, R // 2)
+        d = self._last_depth if self._last_depth is not None else self.K
+        if d < self.K:
+            base = float(self.cost.verify_cost(num_other_tokens)) + float(
+                self.cost.draft_cost_at_depth(R, d, self.K))
+            extra = float(self.cost.draft_cost_at_depth(R, self.K, self.K)) - float(
+                self.cost.draft_cost_at_depth(R, d, self.K))
+            if base > 0 and extra > 0:
+                interval = max(interval, int(np.ceil(extra / (EXPLORE_MAX_TIME_SHARE * base))))
+        return interval
+
+    def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
+        """A measured drafting step (`depth` tokens for `num_reqs` requests,
+        wall time `ms`): corrects the drafting table at that depth."""
+        if num_reqs <= 0 or not np.isfinite(ms) or ms <= 0:
+            return
+        predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
+        if predicted <= 1e-6:
+            return  # nothing profiled to correct (model-free drafters)
+        ratio = float(np.clip(ms / predicted, *DRAFT_CALIBRATION_CLIP))
+        log_scale = self._draft_log_scale.get(depth)
+        w = DRAFT_CALIBRATION_WEIGHT
+        log_scale = np.log(ratio) if log_scale is None else (1 - w) * log_scale + w * np.log(ratio)
+        self._draft_log_scale[depth] = log_scale
+        self.cost.draft_scale[depth] = float(np.exp(log_scale))
 
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import numpy as np
 import torch
@@ -124,7 +125,9 @@ class RunnerAdmitPatch(VllmPatch):
         recording, then run `AdaptiveVerifier.admit` and return the drafts
         cut to the admitted prefix as lists (the form the V1 runner already
         hands to the scheduler for CPU-side drafters), so trimmed drafts
-        take no KV slot and no target compute.
+        take no KV slot and no target compute. Every 4th drafting call is
+        timed and corrects the profiled drafting table
+        (`AdaptiveVerifier.observe_draft_time`).
     Upstream: an admission hook between drafting and scheduling in V1
         (vLLM's dynamic speculative decoding already sets the depth through
         num_spec_tokens_to_schedule, from a static lookup table).
@@ -150,18 +153,63 @@ class RunnerAdmitPatch(VllmPatch):
         if arm:
             setattr(drafter, _FEATURES_ATTR, [])
             setattr(drafter, _TOP_ATTR, [] if lossy else None)
+        timer = _DraftTimer(self)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:
-                drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+                with timer:
+                    drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
                 recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
                 top = getattr(drafter, _TOP_ATTR, None) if arm else None
             finally:
                 if arm:
                     setattr(drafter, _FEATURES_ATTR, None)
                     setattr(drafter, _TOP_ATTR, None)
+        if timer.ms is not None:
+            num_drafting = _num_decoding(self)
+            verifier.observe_draft_time(
+                verifier.K if depth is None else depth, num_drafting, timer.ms
+            )
         out = _admit(self, verifier, drafts, recorded, top if lossy else None)
         _maybe_write_metrics(self, verifier)
         return out
+
+
+# Every this many drafting steps, time one (with a device synchronize on
+# each side on CUDA) to correct the profiled drafting table
+# (AdaptiveVerifier.observe_draft_time).
+DRAFT_TIMING_INTERVAL = 4
+_DRAFT_CALLS_ATTR = "_vllm_av_draft_calls"
+
+
+class _DraftTimer:
+    """Wall time of one drafting call, on every DRAFT_TIMING_INTERVAL-th call."""
+
+    def __init__(self, runner):
+        n = getattr(runner, _DRAFT_CALLS_ATTR, 0) + 1
+        setattr(runner, _DRAFT_CALLS_ATTR, n)
+        self.active = n % DRAFT_TIMING_INTERVAL == 0
+        device = getattr(runner, "device", None)
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.ms = None
+
+    def __enter__(self):
+        if self.active:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.active and exc_type is None:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+        return False
+
+
+def _num_decoding(runner) -> int:
+    num_reqs = runner.input_batch.num_reqs
+    return int(num_reqs - runner.discard_request_mask.np[:num_reqs].sum())
 
 
 def _choose_depth(runner, verifier) -> int:
