@@ -110,3 +110,68 @@ def test_oracle_is_a_ceiling_on_the_real_traces():
         results = {p: _run(ts, p, h200_design(K), C, steps=48).throughput
                    for p in ("fixed_k3", "fixed_k7", "ours", "oracle")}
         assert results["oracle"] >= max(results.values()), results
+
+
+# --- benchmarks/validate_simulator.py helpers and batch mode -----------------
+
+def _validate_module():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import validate_simulator
+
+    return validate_simulator
+
+
+def _breakdown(arm_ms):
+    """Fake step_breakdown JSONs: arm -> {C: (target, drafting, sample_tokens, schedule)}."""
+    out = {}
+    for arm, runs in arm_ms.items():
+        rows = []
+        for c, (t, d, s, sch) in runs.items():
+            ph = {"target_step": t, "sample_tokens": s, "schedule": sch}
+            if d is not None:
+                ph["drafting"] = d
+            rows.append({"concurrency": c, "phases": {k: {"mean_ms": v} for k, v in ph.items()}})
+        out[arm] = {"runs": rows}
+    return out
+
+
+def test_isotonic_keeps_monotone_points_and_pools_violations():
+    v = _validate_module()
+    xs, fit = v.isotonic([1, 4, 8, 64], [1.0, 2.0, 3.0, 5.0])
+    assert xs.tolist() == [1, 4, 8, 64] and fit.tolist() == [1.0, 2.0, 3.0, 5.0]
+    xs, fit = v.isotonic([1, 4, 8, 8, 64], [1.0, 4.0, 3.0, 2.0, 5.0])
+    assert xs.tolist() == [1, 4, 8, 64]
+    assert np.all(np.diff(fit) >= 0) and fit.tolist() == pytest.approx([1.0, 3.0, 3.0, 5.0])
+
+
+def test_measured_step_cost_reproduces_its_points():
+    v = _validate_module()
+    bd = _breakdown({
+        "nospec": {1: (3.0, None, 1.0, 0.2), 64: (3.5, None, 1.1, 0.8)},
+        "k3": {1: (4.0, 30.0, 32.0, 0.2), 64: (5.0, 33.0, 35.5, 1.0)},
+        "k7": {1: (4.5, 70.0, 72.0, 0.2), 64: (6.0, 77.0, 80.0, 1.0)},
+    })
+    cost = v.measured_step_cost(bd)
+    # verify points at 1, 64 (nospec), 4, 256 (k3), 8, 512 (k7) tokens; the
+    # dip at 64 (3.5 after 4.5 at 8) is pooled with 8 tokens: 4.0 at both.
+    for n, ms in ((1, 3.0), (4, 4.0), (8, 4.0), (64, 4.0), (256, 5.0), (512, 6.0)):
+        assert cost.verify_ms(n) == pytest.approx(ms), n
+    sizes = np.arange(1, 600)
+    assert np.all(np.diff(cost.verify_ms(sizes)) >= 0)
+    for C, d3, d7 in ((1, 30.0, 70.0), (64, 33.0, 77.0)):
+        assert cost.draft_ms(np.full(C, 3)) == pytest.approx(d3)
+        assert cost.draft_ms(np.full(C, 7)) == pytest.approx(d7)
+        assert cost.draft_ms(np.zeros(C, dtype=np.int64)) == 0.0
+    assert cost.draft_ms(np.full(64, 5)) == pytest.approx((33.0 + 77.0) / 2)
+    assert cost.overhead_ms(np.zeros(1, dtype=np.int64)) == pytest.approx(1.2)
+    assert cost.overhead_ms(np.full(64, 7)) == pytest.approx((1.0 + 2.5 + 1.0 + 3.0) / 2)
+
+
+def test_batch_mode_runs_each_request_once_to_its_end(synthetic):
+    step_cost = StepCost(h200_design(K), K)
+    C = 4
+    r = simulate(synthetic, make_policy("fixed_k3", K, step_cost), step_cost, C,
+                 max_steps=10_000, warmup_steps=0, refill=False)
+    assert r.finished == C
+    assert r.tokens == sum(t.length for t in synthetic.tapes[:C])
+    assert r.steps < 10_000

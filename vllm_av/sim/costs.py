@@ -162,6 +162,14 @@ class StepCost:
     def verify_ms(self, num_tokens):
         return self.model.verify_cost(num_tokens)
 
+    def overhead_ms(self, drafted: np.ndarray) -> float:
+        """Per-step cost outside the two forwards (scheduler, sampler,
+        bookkeeping), given the step's [R] drafted depths. 0 here: the
+        built-in tables price the forwards only; a subclass built from a
+        measured step breakdown charges it
+        (benchmarks/validate_simulator.py)."""
+        return 0.0
+
 
 __all__ = [
     "StepCost",

@@ -11,12 +11,18 @@ Model:
   prefix, the target verifies it: accepted = min(admitted, run[g]), and the
   request emits accepted + 1 tokens (correction or bonus). It finishes when
   g reaches its trace's output length; tokens past it are not counted.
-- The step costs StepCost.draft_ms(drafted) + verify_ms(C + sum(admitted)):
-  each request puts its last sampled token plus its admitted drafts in the
-  verify forward. No prefill, no attention/context-length dependence, no
-  scheduler or sampler overhead (identical for every policy).
+- The step costs StepCost.draft_ms(drafted) + verify_ms(R + sum(admitted))
+  + overhead_ms(drafted), R the requests in the step: each request puts its
+  last sampled token plus its admitted drafts in the verify forward. No
+  prefill, no attention/context-length dependence; scheduler and sampler
+  overhead only where the cost table prices it (`overhead_ms`, 0 in the
+  built-in tables).
 - Throughput is counted over steps [warmup_steps, max_steps): the first
   steps hold the synchronised start and the estimator's cold start.
+- `refill=False` replays a batch instead (what an offline benchmark does):
+  the C requests start together, a finished one is not replaced, the batch
+  shrinks, and the run ends when the last request finishes (or at
+  max_steps). Throughput is then output tokens / makespan, tail included.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from vllm_av.sim.traces import TraceSet
 class SimResult:
     policy: str
     concurrency: int
-    steps: int  # measured steps
+    steps: int  # measured steps (fewer than max_steps - warmup if a batch ends)
     tokens: int  # output tokens in the measured steps
     time_ms: float
     throughput: float  # output tokens / s
-    per_user: float  # tokens / s per request (throughput / C: all slots busy)
-    tokens_per_step: float  # per request
+    per_user: float  # throughput / C (all slots busy; with refill=False, over the makespan)
+    tokens_per_step: float  # per request in the step
     drafted_per_step: float  # per request
     verified_per_step: float  # per request
     accepted_per_step: float  # per request
@@ -57,6 +63,7 @@ def simulate(
     max_steps: int = 256,
     warmup_steps: int = 32,
     seed: int = 0,
+    refill: bool = True,
 ) -> SimResult:
     C, K = concurrency, traces.K
     P = len(traces.tapes)
@@ -80,36 +87,45 @@ def simulate(
 
     for c in range(C):
         start(c)
-    rows = np.arange(C)
+    rows = np.arange(C)  # slots in the step (all of them unless refill=False)
     cols = np.arange(K)
     tokens = drafted_sum = verified_sum = accepted_sum = 0
     time_ms = 0.0
-    finished = 0
+    finished = steps = req_steps = 0
     for step in range(max_steps):
-        features = feat_tab[rows[:, None], pos[:, None] + cols]  # [C, K]
-        true_run = run_tab[rows, pos]  # [C]
-        drafted, admitted = policy.plan(list(req_ids), features, true_run)
+        if rows.size == 0:
+            break  # refill=False: the batch has finished
+        p = pos[rows]  # [R]
+        ids = [req_ids[c] for c in rows]
+        features = feat_tab[rows[:, None], p[:, None] + cols]  # [R, K]
+        true_run = run_tab[rows, p]  # [R]
+        drafted, admitted = policy.plan(ids, features, true_run)
         admitted = np.minimum(admitted, drafted)
-        accepted = np.minimum(admitted, true_run).astype(np.int64)  # [C]
-        policy.observe(list(req_ids), admitted, accepted)
-        emitted = np.minimum(accepted + 1, length - pos)  # [C], capped at the end
-        ms = cost.draft_ms(drafted) + float(cost.verify_ms(C + int(admitted.sum())))
+        accepted = np.minimum(admitted, true_run).astype(np.int64)  # [R]
+        policy.observe(ids, admitted, accepted)
+        emitted = np.minimum(accepted + 1, length[rows] - p)  # [R], capped at the end
+        ms = (cost.draft_ms(drafted) + float(cost.verify_ms(rows.size + int(admitted.sum())))
+              + cost.overhead_ms(drafted))
         if step >= warmup_steps:
             tokens += int(emitted.sum())
             time_ms += ms
             drafted_sum += int(drafted.sum())
             verified_sum += int(admitted.sum())
             accepted_sum += int(accepted.sum())
-        pos += emitted
-        done = np.flatnonzero(pos >= length)
+            steps += 1
+            req_steps += rows.size
+        pos[rows] += emitted
+        done = rows[pos[rows] >= length[rows]]
         if done.size:
             policy.forget([req_ids[c] for c in done])
             finished += done.size
-            for c in done:
-                start(int(c))
+            if refill:
+                for c in done:
+                    start(int(c))
+            else:
+                rows = rows[pos[rows] < length[rows]]
 
-    steps = max(max_steps - warmup_steps, 0)
-    per_req = max(steps * C, 1)
+    per_req = max(req_steps, 1)
     thr = tokens / (time_ms / 1e3) if time_ms > 0 else 0.0
     return SimResult(
         policy=getattr(policy, "name", type(policy).__name__),
