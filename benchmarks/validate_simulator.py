@@ -163,21 +163,23 @@ def truncated(traces: TraceSet, length: int) -> TraceSet:
     return TraceSet(f"{traces.name}_{length}", traces.K, tapes)
 
 
-def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds) -> dict:
-    """Batch-mode runs summed: C=1 runs every tape alone, otherwise one batch per seed."""
+def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds,
+                 **policy_kw) -> dict:
+    """Batch-mode runs summed: C=1 runs every tape alone, otherwise one batch per seed.
+    `policy_kw` go to make_policy (belief, calibrate)."""
     runs = []
     if C == 1:
         for i, tape in enumerate(traces.tapes):
             one = TraceSet(traces.name, traces.K, [tape])
-            runs.append(simulate(one, make_policy(policy, traces.K, cost), cost, 1,
+            runs.append(simulate(one, make_policy(policy, traces.K, cost, **policy_kw), cost, 1,
                                  max_steps=10_000, warmup_steps=0, seed=i, refill=False))
     else:
         for s in seeds:
             # Rotate the pool per seed so the slot -> prompt map changes too.
             k = (s * 7) % len(traces.tapes)
             rot = TraceSet(traces.name, traces.K, traces.tapes[k:] + traces.tapes[:k])
-            runs.append(simulate(rot, make_policy(policy, traces.K, cost), cost, C,
-                                 max_steps=10_000, warmup_steps=0, seed=s, refill=False))
+            runs.append(simulate(rot, make_policy(policy, traces.K, cost, **policy_kw), cost,
+                                 C, max_steps=10_000, warmup_steps=0, seed=s, refill=False))
     tokens = sum(r.tokens for r in runs)
     time_ms = sum(r.time_ms for r in runs)
     steps = sum(r.steps for r in runs)
@@ -190,6 +192,49 @@ def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds) -
         "runs": len(runs),
         "tok_s_range": [min(r.throughput for r in runs), max(r.throughput for r in runs)],
     }
+
+
+# What our adaptive depth would do under the measured H200 costs, planning
+# with the start-up table (as served that day), with and without the
+# correction from timed drafting steps, and with the true table.
+WHAT_IF = {
+    "no_spec": ("no_spec", {}),
+    "fixed_k3": ("fixed_k3", {}),
+    "fixed_k7": ("fixed_k7", {}),
+    "ours, start-up table": ("ours_adaptive_depth", {"belief": "startup", "calibrate": False}),
+    "ours, start-up table + timed drafting": ("ours_adaptive_depth",
+                                              {"belief": "startup", "calibrate": True}),
+    "ours, true table": ("ours_adaptive_depth", {"calibrate": False}),
+}
+
+
+def what_if(traces, measured: StepCost, startup: CostModel, seeds,
+            concurrency=(1, 64, 256)) -> list[dict]:
+    rows = []
+    for label, (policy, kw) in WHAT_IF.items():
+        kw = dict(kw)
+        if kw.get("belief") == "startup":
+            kw["belief"] = startup
+        for C in concurrency:
+            r = simulate_arm(traces, policy, measured, C, seeds, **kw)
+            rows.append({"label": label, "policy": policy, "concurrency": C,
+                         "tok_s": r["tok_s"], "ms_per_step": r["ms_per_step"],
+                         "tok_per_req_step": r["tok_per_req_step"]})
+    return rows
+
+
+def what_if_markdown(rows: list[dict]) -> str:
+    cs = sorted({r["concurrency"] for r in rows})
+    by = {(r["label"], r["concurrency"]): r for r in rows}
+    base = {c: by[("no_spec", c)]["tok_s"] for c in cs}
+    out = ["| simulated under the measured H200 costs | "
+           + " | ".join(f"C={c} tok/s (vs no spec)" for c in cs) + " |",
+           "|---|" + "---|" * len(cs)]
+    for label in WHAT_IF:
+        cells = [f"{by[(label, c)]['tok_s']:,.0f} ({by[(label, c)]['tok_s'] / base[c]:.2f}x)"
+                 for c in cs]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def measured_row(run: dict) -> dict:
@@ -261,6 +306,7 @@ def main(argv=None) -> dict:
                          # ratio = acceptance_factor * step_time_factor
                          "acceptance_factor": s["tok_per_req_step"] / m["tok_per_req_step"],
                          "step_time_factor": m["ms_per_step_plain"] / s["ms_per_step"]})
+    whatif = what_if(traces, measured, startup.model, seeds)
     pts = measured_points(bd)
     fit = {
         "verify": measured.model.verify.to_dict(),
@@ -280,9 +326,12 @@ def main(argv=None) -> dict:
         "measured_table": fit,
         "startup_table": json.loads(startup.model.to_json()),
         "rows": rows,
+        "what_if": whatif,
     }
     args.out.write_text(json.dumps(out, indent=1))
     print(markdown(rows))
+    print()
+    print(what_if_markdown(whatif))
     print(f"\n{len(traces.tapes)} tapes of >= {args.output_len} tokens; "
           f"{out['elapsed_s']:.1f} s; wrote {args.out}")
     return out

@@ -111,3 +111,56 @@ def test_start_up_profiles_drafting_at_depth_one_and_k():
         runner, AVOptions(profile_repeats=1, profile_max_tokens=64, adaptive_depth=False)
     )
     assert off.draft_by_depth == {}
+
+
+def _fake_runner(depth_zero_cost: float, skip: bool):
+    """A V1 runner stand-in with our verifier attached, for the admission
+    patch alone: drafting is priced so that depth 0 wins."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_av.core.cost_model import CostModel
+    from vllm_av.core.verifier import AdaptiveVerifier
+    from vllm_av.vllm.config import AVOptions
+    from vllm_av.vllm.mrv1 import patches
+
+    calls = []
+
+    class Runner:
+        def _orig_propose_draft_token_ids(self, scheduler_output, sampled, *a, **k):
+            calls.append(scheduler_output.num_spec_tokens_to_schedule)
+            return [[] for _ in range(self.input_batch.num_reqs)]
+
+    r = Runner()
+    R = 4
+    r.input_batch = SimpleNamespace(num_reqs=R, req_ids=[f"r{i}" for i in range(R)],
+                                    generators={})
+    r.discard_request_mask = SimpleNamespace(np=np.zeros(R, dtype=bool))
+    r.drafter = SimpleNamespace(num_speculative_tokens=K)
+    r._draft_probs = "stale"
+    cost = CostModel.from_samples({1: [1.0], 512: [1.0]}, {1: [1e6]},
+                                  draft_by_depth={1: {1: [depth_zero_cost]}, K: {1: [1e6]}})
+    cost.free_zero_depth = skip
+    setattr(r, patches._AV_ATTR, AdaptiveVerifier(K, cost))
+    setattr(r, patches._OPTIONS_ATTR, AVOptions(zero_depth_skips_drafter=skip))
+    return r, calls
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_depth_zero_skips_the_drafter_unless_told_to_keep_its_kv(skip):
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.mrv1.patches import RunnerAdmitPatch
+
+    runner, calls = _fake_runner(depth_zero_cost=1e5, skip=skip)
+    so = SimpleNamespace(num_spec_tokens_to_schedule=K)
+    out = RunnerAdmitPatch.propose_draft_token_ids(runner, so, [[1]] * 4)
+    assert out == [[], [], [], []]
+    assert so.num_spec_tokens_to_schedule == K  # restored
+    if skip:
+        assert calls == [] and runner._draft_probs is None  # no drafter call at all
+    else:
+        # The drafter runs (its first forward keeps its KV whole); a depth-0
+        # step would cost that same forward, so depth 1 beats it here.
+        assert len(calls) == 1 and calls[0] <= 1

@@ -159,8 +159,11 @@ class CostModel:
         if any(d < 0 for d in self.draft_by_depth):
             raise ValueError(f"draft depths must be >= 0, got {list(self.draft_by_depth)}")
         # Multiplier per drafting depth learnt from measured drafting steps
-        # (see DraftCostCalibration); empty: the profiled tables as they are.
+        # (AdaptiveVerifier.observe_draft_time); empty: the profiled tables.
         self.draft_scale: dict[int, float] = {}
+        # Whether a step of depth 0 skips the drafter (no drafting cost);
+        # otherwise it pays the drafter's first forward, as profiled at depth 1.
+        self.free_zero_depth = False
 
     def _draft_scale(self, depth: int) -> float:
         if not self.draft_scale:
@@ -222,6 +225,8 @@ class CostModel:
         `num_reqs` requests, when `draft_cost` is a step at depth
         `num_speculative_tokens` (K). See the module docstring."""
         depth, K = int(depth), int(num_speculative_tokens)
+        if depth == 0 and self.free_zero_depth:
+            return np.zeros_like(np.asarray(num_reqs, dtype=np.float64))
         return self.profiled_draft_cost(num_reqs, depth, K) * self._draft_scale(depth)
 
     def profiled_draft_cost(self, num_reqs, depth: int, num_speculative_tokens: int):

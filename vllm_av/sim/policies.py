@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_av.core.budget import size_budget
+from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
 from vllm_av.core.survival import survival
@@ -48,6 +49,9 @@ class Policy:
 
     def forget(self, req_ids) -> None:
         pass
+
+    def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
+        """The drafting time the step just paid (what the engine measures)."""
 
 
 class NoSpec(Policy):
@@ -73,9 +77,19 @@ class ShippedAV(Policy):
 
     name = "ours"
 
-    def __init__(self, K: int, step_cost: StepCost):
+    def __init__(self, K: int, step_cost: StepCost, belief: CostModel | None = None,
+                 calibrate: bool = True):
+        """belief: the cost table the verifier plans with (a start-up
+        profile, say) when it differs from what steps really cost
+        (`step_cost`); calibrate: correct it from measured drafting times,
+        as the engine does."""
         self.K = K
-        self.verifier = AdaptiveVerifier(K, step_cost.model)
+        # The verifier's own copy: calibration must not change the truth.
+        model = CostModel.from_json((step_cost.model if belief is None else belief).to_json())
+        # As shipped: a step of depth 0 skips the drafter.
+        model.free_zero_depth = True
+        self.verifier = AdaptiveVerifier(K, model)
+        self.calibrate = calibrate
 
     def plan(self, req_ids, features, true_run):
         R = len(req_ids)
@@ -91,6 +105,10 @@ class ShippedAV(Policy):
 
     def forget(self, req_ids):
         self.verifier.forget(req_ids)
+
+    def observe_draft_time(self, depth, num_reqs, ms):
+        if self.calibrate:
+            self.verifier.observe_draft_time(depth, num_reqs, ms)
 
 
 class ReferenceAV(Policy):
@@ -184,12 +202,17 @@ POLICY_ORDER = (
 )
 
 
-def make_policy(name: str, K: int, step_cost: StepCost) -> Policy:
-    """A fresh policy (new estimator state) by name."""
+def make_policy(name: str, K: int, step_cost: StepCost, belief: CostModel | None = None,
+                calibrate: bool = True) -> Policy:
+    """A fresh policy (new estimator state) by name; `belief`/`calibrate`
+    apply to ours (see ShippedAV)."""
     if name == "no_spec":
         return NoSpec()
     if name.startswith("fixed_k"):
         return FixedK(int(name.removeprefix("fixed_k")))
+    if name in ("ours", "ours_adaptive_depth"):
+        cls = ShippedAV if name == "ours" else AdaptiveDepthAV
+        return cls(K, step_cost, belief=belief, calibrate=calibrate)
     cls = {
         "reference_av": ReferenceAV,
         "ours": ShippedAV,

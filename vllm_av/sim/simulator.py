@@ -104,8 +104,11 @@ def simulate(
         accepted = np.minimum(admitted, true_run).astype(np.int64)  # [R]
         policy.observe(ids, admitted, accepted)
         emitted = np.minimum(accepted + 1, length[rows] - p)  # [R], capped at the end
-        ms = (cost.draft_ms(drafted) + float(cost.verify_ms(rows.size + int(admitted.sum())))
+        draft_ms = cost.draft_ms(drafted)
+        ms = (draft_ms + float(cost.verify_ms(rows.size + int(admitted.sum())))
               + cost.overhead_ms(drafted))
+        if drafted.size and drafted.max() > 0:
+            policy.observe_draft_time(int(drafted.max()), int((drafted > 0).sum()), draft_ms)
         if step >= warmup_steps:
             tokens += int(emitted.sum())
             time_ms += ms

@@ -68,6 +68,13 @@ class AVOptions:
     # full-depth AV falls far below no speculation (MT-Bench C=256: 24.1k vs
     # 36.6k tok/s) and adaptive depth stays within 2.5% of it (35.7k).
     adaptive_depth: bool = True
+    # With adaptive depth, a step of depth 0 skips the drafter altogether
+    # and runs as plain decoding. A draft model then misses the KV of that
+    # step's tokens (as when vLLM's V1 runner skips a drafter whose input
+    # does not fit), which can lower its later acceptance but never the
+    # output distribution. Off: the drafter still runs its first forward to
+    # keep its KV cache whole (one draft forward per step, always paid).
+    zero_depth_skips_drafter: bool = True
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

@@ -118,10 +118,11 @@ class RunnerAdmitPatch(VllmPatch):
     How: with adaptive depth (option `adaptive_depth`), pick d with
         `AdaptiveVerifier.choose_depth` (stale scores only) and call the
         original with `scheduler_output.num_spec_tokens_to_schedule = d`
-        (vLLM's drafters take num_speculative_tokens from it; at d = 0 an
-        LLM drafter runs only its KV-sync forward and returns [R, 0]), and
-        the drafter's own `num_speculative_tokens` set to d (suffix decoding
-        reads that), both restored afterwards. Arm the proposer's feature
+        (vLLM's drafters take num_speculative_tokens from it), and the
+        drafter's own `num_speculative_tokens` set to d (suffix decoding
+        reads that), both restored afterwards. At d = 0 the drafter is not
+        called at all (option `zero_depth_skips_drafter`; off, an LLM
+        drafter runs only its KV-sync forward and returns [R, 0]). Arm the proposer's feature
         recording, then run `AdaptiveVerifier.admit` and return the drafts
         cut to the admitted prefix as lists (the form the V1 runner already
         hands to the scheduler for CPU-side drafters), so trimmed drafts
@@ -153,6 +154,16 @@ class RunnerAdmitPatch(VllmPatch):
         if arm:
             setattr(drafter, _FEATURES_ATTR, [])
             setattr(drafter, _TOP_ATTR, [] if lossy else None)
+        if depth == 0 and options.zero_depth_skips_drafter:
+            # Plain decoding this step: no drafter call at all (vLLM's own
+            # path when a drafter's input does not fit). With synchronous
+            # scheduling, which our config enforces on V1, nothing else in
+            # the runner waits on the drafter's outputs.
+            self._draft_probs = None
+            self._draft_prob_req_ids = None
+            out = [[] for _ in range(self.input_batch.num_reqs)]
+            _maybe_write_metrics(self, verifier)
+            return out
         timer = _DraftTimer(self)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:

@@ -168,6 +168,7 @@ def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
             cost = CostModel.from_json(f.read())
     else:
         cost = profile_costs(runner, options)
+    cost.free_zero_depth = options.adaptive_depth and options.zero_depth_skips_drafter
     spec = runner.vllm_config.speculative_config
     K = spec.num_speculative_tokens
     verifier = AdaptiveVerifier(
