@@ -121,7 +121,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         return Arm(name, family, "fixed", int(base[1:-2]), tuple(dict(base_env + v1).items()))
     if base == "ours_v2":
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
-        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"),))
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
     if base == "ours":
         # Our AV runs on Model Runner V1 (the only runner on CPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1))

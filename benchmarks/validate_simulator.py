@@ -164,21 +164,28 @@ def truncated(traces: TraceSet, length: int) -> TraceSet:
 
 
 def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds,
-                 **policy_kw) -> dict:
+                 persist: bool = False, **policy_kw) -> dict:
     """Batch-mode runs summed: C=1 runs every tape alone, otherwise one batch per seed.
-    `policy_kw` go to make_policy (belief, calibrate)."""
+    `policy_kw` go to make_policy (belief, calibrate); `persist`: one policy
+    for all the runs, in order (a server's verifier outlives its requests),
+    else a fresh one per run."""
     runs = []
+    shared = make_policy(policy, traces.K, cost, **policy_kw) if persist else None
+
+    def pol():
+        return shared if persist else make_policy(policy, traces.K, cost, **policy_kw)
+
     if C == 1:
         for i, tape in enumerate(traces.tapes):
             one = TraceSet(traces.name, traces.K, [tape])
-            runs.append(simulate(one, make_policy(policy, traces.K, cost, **policy_kw), cost, 1,
+            runs.append(simulate(one, pol(), cost, 1,
                                  max_steps=10_000, warmup_steps=0, seed=i, refill=False))
     else:
         for s in seeds:
             # Rotate the pool per seed so the slot -> prompt map changes too.
             k = (s * 7) % len(traces.tapes)
             rot = TraceSet(traces.name, traces.K, traces.tapes[k:] + traces.tapes[:k])
-            runs.append(simulate(rot, make_policy(policy, traces.K, cost, **policy_kw), cost,
+            runs.append(simulate(rot, pol(), cost,
                                  C, max_steps=10_000, warmup_steps=0, seed=s, refill=False))
     tokens = sum(r.tokens for r in runs)
     time_ms = sum(r.time_ms for r in runs)
@@ -196,7 +203,9 @@ def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds,
 
 # What our adaptive depth would do under the measured H200 costs, planning
 # with the start-up table (as served that day), with and without the
-# correction from timed drafting steps, and with the true table.
+# correction from timed drafting steps, and with the true table. One
+# verifier per arm and concurrency serves all its batches in turn, as in a
+# server (C=1: the 38 tapes one after the other; C>1: the seeds' batches).
 WHAT_IF = {
     "no_spec": ("no_spec", {}),
     "fixed_k3": ("fixed_k3", {}),
@@ -216,7 +225,7 @@ def what_if(traces, measured: StepCost, startup: CostModel, seeds,
         if kw.get("belief") == "startup":
             kw["belief"] = startup
         for C in concurrency:
-            r = simulate_arm(traces, policy, measured, C, seeds, **kw)
+            r = simulate_arm(traces, policy, measured, C, seeds, persist=True, **kw)
             rows.append({"label": label, "policy": policy, "concurrency": C,
                          "tok_s": r["tok_s"], "ms_per_step": r["ms_per_step"],
                          "tok_per_req_step": r["tok_per_req_step"]})

@@ -106,6 +106,7 @@ def main() -> int:
     # Before vLLM (and our plugin) read them.
     os.environ["VLLM_AV_IMPL"] = args.impl
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    os.environ["VLLM_AV_MRV2"] = "1"  # our V2 path is opt-in
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM, SamplingParams

@@ -10,7 +10,12 @@ import torch
 
 from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
-from vllm_av.core.verifier import EXPLORE_MAX_TIME_SHARE, EXPLORE_MIN_INTERVAL, AdaptiveVerifier
+from vllm_av.core.verifier import (
+    EXPLORE_HOPELESS_TIME_SHARE,
+    EXPLORE_MAX_TIME_SHARE,
+    EXPLORE_MIN_INTERVAL,
+    AdaptiveVerifier,
+)
 
 K = 7
 FLAT_VERIFY = {1: [1.0], 4096: [1.0]}  # extra tokens are free
@@ -24,8 +29,9 @@ def _ids(n: int) -> list[str]:
     return [f"r{i}" for i in range(n)]
 
 
-def _depths(v: AdaptiveVerifier, R: int, steps: int) -> list[int]:
-    """Drive `steps` steps of R requests: choose, draft, admit, observe."""
+def _depths(v: AdaptiveVerifier, R: int, steps: int, accept_first: bool = True) -> list[int]:
+    """Drive `steps` steps of R requests: choose, draft, admit, observe
+    (each admitted draft's first slot accepted, or none)."""
     ids, out = _ids(R), []
     for _ in range(steps):
         d = v.choose_depth(ids, num_sampling=R, num_other_tokens=R)
@@ -34,7 +40,7 @@ def _depths(v: AdaptiveVerifier, R: int, steps: int) -> list[int]:
             drafted = np.full(R, d)
             admitted = v.admit(ids, torch.full((R, K), 2.0), drafted, R, R)
             v.begin_step()
-            v.observe(ids, admitted, np.minimum(admitted, 1))
+            v.observe(ids, admitted, np.minimum(admitted, int(accept_first)))
     return out
 
 
@@ -42,6 +48,7 @@ def _depths(v: AdaptiveVerifier, R: int, steps: int) -> list[int]:
 def no_time_share_bound(monkeypatch):
     """Exploration paced by the step-count rule alone."""
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
 
 
 def _costly_drafter(draft_ms: float = 1e6) -> AdaptiveVerifier:
@@ -182,15 +189,23 @@ def test_cost_json_round_trips_depths_and_reads_tables_without_them():
     assert legacy.draft_cost_at_depth(1, 1, K) == pytest.approx(1.0)
 
 
-def test_exploration_takes_at_most_its_time_share_when_full_depth_is_dear():
-    # Depth 0 is free and a full-depth step costs 100x a plain one: exploring
-    # every 8 steps would spend most of the time there.
-    v = _verifier(draft_ms=100.0)
-    R, steps = 4, 2000
-    depths = _depths(v, R, steps)
-    time_explore = sum(100.0 for d in depths if d == K)
-    time_total = sum(1.0 + 100.0 * d / K for d in depths)
-    assert 0 < depths.count(K) and time_explore / time_total <= EXPLORE_MAX_TIME_SHARE + 0.01
+@pytest.mark.parametrize("draft_ms, share", [
+    # A full-depth step costs 6x a plain one: all-accepted drafts would pay
+    # (8 tokens per request for 6 ms), these (none accepted) do not.
+    (5.0, EXPLORE_MAX_TIME_SHARE),
+    # 21x: not even all-accepted drafts could pay.
+    (20.0, EXPLORE_HOPELESS_TIME_SHARE),
+])
+def test_exploration_takes_at_most_its_time_share_when_full_depth_is_dear(draft_ms, share):
+    # Depth 0 is free (linear drafting table); exploring every 8 steps would
+    # spend 40-90% of the time at full depth.
+    v = _verifier(draft_ms=draft_ms)
+    R, steps = 4, 5000
+    depths = _depths(v, R, steps, accept_first=False)
+    time_explore = sum(draft_ms for d in depths if d == K)
+    time_total = sum(1.0 + draft_ms * d / K for d in depths)
+    assert depths.count(K) >= 1
+    assert time_explore / time_total <= share * 1.2
 
 
 def test_measured_drafting_time_corrects_the_profiled_table():

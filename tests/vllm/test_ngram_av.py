@@ -191,14 +191,13 @@ def ngram_adaptive_depth(tiny_models, tmp_path_factory, reference):
     return ours, stats
 
 
-def test_ngram_adaptive_depth_zero_and_exploration(ngram_adaptive_depth, reference):
+def test_ngram_adaptive_depth_zero(ngram_adaptive_depth, reference):
     ours, s = ngram_adaptive_depth
     assert ours == reference["main"]
-    # Depth 0 on most steps (the ngram proposer asked for 0 tokens), K on
-    # the exploration steps, which still draft and verify.
-    assert s["zero_depth_steps"] > 0, s
-    assert s["depth_steps"] > s["zero_depth_steps"], s
-    assert s["drafted"] > 0 and s["verified"] > 0, s
+    # Depth 0 on most steps (the proposer is not called). Exploration at
+    # full depth would take more than its time share at this drafting
+    # cost, so there may be none (tests/core/test_depth.py covers it).
+    assert s["zero_depth_steps"] > s["depth_steps"] / 2, s
     # Nothing drafted on the zero-depth steps.
     assert s["drafted"] <= K * NUM_PROMPTS * (s["depth_steps"] - s["zero_depth_steps"]), s
 

@@ -130,6 +130,10 @@ EXPLORE_MIN_INTERVAL = 8
 # ... and, where a full-depth step costs much more than the chosen one (a
 # costly drafter), no more than this share of the time goes to exploring.
 EXPLORE_MAX_TIME_SHARE = 0.05
+# ... or this share where even drafts that were all accepted could not make
+# a full-depth step pay (then exploring can only confirm that; it is kept
+# so that a drafter that gets faster is noticed).
+EXPLORE_HOPELESS_TIME_SHARE = 0.01
 # Measured drafting times correct the profiled drafting tables (per depth,
 # exponentially weighted in log space with this weight per measurement):
 # start-up profiles time the drafter's dummy runs, which can miss costs that
@@ -243,12 +247,19 @@ class AdaptiveVerifier:
         interval = max(EXPLORE_MIN_INTERVAL, R // 2)
         d = self._last_depth if self._last_depth is not None else self.K
         if d < self.K:
-            base = float(self.cost.verify_cost(num_other_tokens)) + float(
-                self.cost.draft_cost_at_depth(R, d, self.K))
-            extra = float(self.cost.draft_cost_at_depth(R, self.K, self.K)) - float(
-                self.cost.draft_cost_at_depth(R, d, self.K))
+            K = self.K
+            draft_d = float(self.cost.draft_cost_at_depth(R, d, K))
+            draft_k = float(self.cost.draft_cost_at_depth(R, K, K))
+            base = float(self.cost.verify_cost(num_other_tokens)) + draft_d
+            extra = draft_k - draft_d
             if base > 0 and extra > 0:
-                interval = max(interval, int(np.ceil(extra / (EXPLORE_MAX_TIME_SHARE * base))))
+                # Tokens per ms at depth K if every draft were accepted,
+                # against depth d with none accepted (a lower bound).
+                best_k = (num_other_tokens + R * K) / (
+                    float(self.cost.verify_cost(num_other_tokens + R * K)) + draft_k)
+                hopeless = best_k <= num_other_tokens / base
+                share = EXPLORE_HOPELESS_TIME_SHARE if hopeless else EXPLORE_MAX_TIME_SHARE
+                interval = max(interval, int(np.ceil(extra / (share * base))))
         return interval
 
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:

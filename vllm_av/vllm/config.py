@@ -24,6 +24,17 @@ IMPLS = ("ours", "vllm", "off")
 ADDITIONAL_CONFIG_KEY = "vllm_av"
 
 
+# Our AV inside Model Runner V2 (vllm_av/vllm/mrv2/) is opt-in until it has
+# run on a GPU: without it, V2 with the flag is refused at start-up.
+ENV_MRV2 = "VLLM_AV_MRV2"
+
+
+def mrv2_enabled(env=None) -> bool:
+    env = os.environ if env is None else env
+    raw = env.get(ENV_MRV2, "0").strip().lower()
+    return raw in ("1", "true", "yes", "on")
+
+
 def selected_impl() -> str:
     impl = os.environ.get(ENV_IMPL, "ours").strip().lower() or "ours"
     if impl not in IMPLS:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from vllm_av.vllm.config import ADDITIONAL_CONFIG_KEY, ENV_IMPL, AVOptions
+from vllm_av.vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    ENV_IMPL,
+    ENV_MRV2,
+    AVOptions,
+    mrv2_enabled,
+)
 from vllm_av.vllm.metrics import register_collector
 from vllm_av.vllm.patching import VllmPatch
 
@@ -106,9 +112,11 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
         check the combination is one we support (clear error otherwise),
         record our options in `additional_config["vllm_av"]` (a plain dict
         that reaches every process) and clear the flag, so that none of
-        vLLM's own AV machinery engages. On Model Runner V2 (CUDA) record
-        our options and keep the flag: vLLM's AV machinery runs with our
-        estimator and manager in it (vllm_av/vllm/mrv2/patches.py).
+        vLLM's own AV machinery engages. On Model Runner V2 (CUDA, opt-in
+        with VLLM_AV_MRV2=1) record our options and keep the flag: vLLM's
+        AV machinery runs with our estimator and manager in it
+        (vllm_av/vllm/mrv2/patches.py); otherwise refuse V2 with a message
+        naming the three ways out.
     Upstream: a plugin seam for adaptive verification in Model Runner V1, or
         a speculative-config field naming the AV implementation.
     Remove when: vLLM accepts an out-of-tree AV implementation on every runner.
@@ -142,13 +150,14 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     "vllm-av: adaptive verification on Model Runner V1 "
                     "(method=%s, K=%d)", spec.method, spec.num_speculative_tokens,
                 )
-            elif mrv2_available():
+            elif mrv2_enabled() and mrv2_available():
                 route_mrv2(self)
             else:
                 raise ValueError(
                     "vllm-av serves enable_adaptive_verification on Model Runner "
-                    "V2 on CUDA only: set VLLM_USE_V2_MODEL_RUNNER=0 to use "
-                    f"it on Model Runner V1, or {ENV_IMPL}=vllm for vLLM's "
-                    "built-in AV on Model Runner V2"
+                    "V1: set VLLM_USE_V2_MODEL_RUNNER=0 to use it there, "
+                    f"{ENV_IMPL}=vllm for vLLM's built-in AV on Model Runner V2, "
+                    f"or {ENV_MRV2}=1 for our AV inside Model Runner V2 "
+                    "(CUDA only; experimental: not yet run on a GPU)"
                 )
         type(self)._orig___post_init__(self)

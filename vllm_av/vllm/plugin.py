@@ -86,14 +86,16 @@ def register() -> None:
 
 
 def runner_patches(patches: list, env=None) -> list:
-    """Drop the Model Runner V2 patches where V1 is forced
-    (VLLM_USE_V2_MODEL_RUNNER=0): their targets are V2's own modules, which
-    such a process has no reason to import."""
+    """Drop the Model Runner V2 patches unless our V2 path is asked for
+    (VLLM_AV_MRV2=1) and V2 may run (not VLLM_USE_V2_MODEL_RUNNER=0): their
+    targets are V2's own modules, which no other process need import."""
     import os
 
     from vllm_av.vllm.mrv2.patches import MRV2_PATCHES
 
+    from vllm_av.vllm.config import mrv2_enabled
+
     env = os.environ if env is None else env
-    if env.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+    if env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or not mrv2_enabled(env):
         return [p for p in patches if p not in MRV2_PATCHES]
     return patches
