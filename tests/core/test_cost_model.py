@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from vllm_av.core.cost_model import CostModel
+from vllm_av.core.cost_model import CostCurve, CostModel, isotonic
 
 GRAPHS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -24,7 +24,27 @@ def test_costs_are_forced_monotone_non_decreasing():
     x = np.arange(1, 60)
     c = cm.verify_cost(x)
     assert np.all(np.diff(c) >= 0)
-    assert cm.verify_cost(8) == 1.0 and cm.verify_cost(32) == 1.5
+    # Violating neighbours are pooled to their mean (isotonic regression).
+    assert cm.verify_cost(1) == cm.verify_cost(8) == pytest.approx(0.85)
+    assert cm.verify_cost(16) == cm.verify_cost(32) == pytest.approx(1.35)
+
+
+def test_one_slow_size_does_not_lift_every_larger_size():
+    # One slow median (11.3 ms at 16 tokens) among ~6.6 ms ones.
+    sizes = [8, 16] + list(range(24, 449, 8))
+    costs = [6.5, 11.3] + [6.6] * (len(sizes) - 2)
+    curve = CostCurve(sizes, costs, graph_sizes=sizes)
+    assert np.all(np.diff(curve.costs) >= 0)
+    assert curve(448) < 6.8  # a running max would say 11.3
+    assert curve(8) == pytest.approx(6.5)
+
+
+def test_isotonic_is_the_identity_on_sorted_input_and_keeps_the_mean():
+    y = np.array([1.0, 2.0, 2.0, 5.0])
+    np.testing.assert_array_equal(isotonic(y), y)
+    z = np.array([3.0, 1.0, 2.0, 0.0, 4.0])
+    fit = isotonic(z)
+    assert np.all(np.diff(fit) >= 0) and fit.sum() == pytest.approx(z.sum())
 
 
 def test_staircase_inside_graph_range_pads_to_next_profiled_size():

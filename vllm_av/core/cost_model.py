@@ -5,9 +5,11 @@ Model (DESIGN 2.4): the wall time of one engine step is
 each a table measured at start-up (median of a few timed dummy steps per
 size). Assumptions, and how the tables are read between profiled sizes:
 
-- Monotone: more work never costs less. Medians are forced non-decreasing
-  with a running max over sizes, so timing noise cannot make the budget
-  sizer think an extra token has negative cost.
+- Monotone: more work never costs less. Medians are made non-decreasing
+  by isotonic regression over sizes (adjacent violators pooled to their
+  mean), so timing noise cannot make the budget sizer think an extra token
+  has negative cost, and one slow size does not lift every size above it
+  to its own cost (as a running max would).
 - Inside the CUDA-graph captured range (n <= max graph size) a step is
   padded to the next captured size, so cost is a staircase: cost(n) is the
   cost at the smallest profiled size >= n.
@@ -44,6 +46,23 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 
+def isotonic(y: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to y in least squares (pool
+    adjacent violators, equal weights)."""
+    means: list[float] = []
+    counts: list[int] = []
+    for v in np.asarray(y, dtype=np.float64):
+        means.append(float(v))
+        counts.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            n = counts[-2] + counts[-1]
+            means[-2] = (means[-2] * counts[-2] + means[-1] * counts[-1]) / n
+            counts[-2] = n
+            means.pop()
+            counts.pop()
+    return np.repeat(means, counts)
+
+
 class CostCurve:
     """One monotone cost table: sizes -> ms, read as described above."""
 
@@ -65,7 +84,7 @@ class CostCurve:
         self.sizes = sizes[order]  # [P]
         if np.unique(self.sizes).size != self.sizes.size:
             raise ValueError(f"duplicate profiled sizes: {self.sizes.tolist()}")
-        self.costs = np.maximum.accumulate(costs[order])  # [P], non-decreasing
+        self.costs = isotonic(costs[order])  # [P], non-decreasing
         self.graph_sizes = graph
         self.max_graph_size = float(graph[-1]) if graph.size else 0.0
         # Slope for extrapolation past the last point (0 with one point).
@@ -310,4 +329,4 @@ class DepthCost:
         return self.model.verify_cost_range(start, stop)
 
 
-__all__ = ["CostCurve", "CostModel", "DepthCost"]
+__all__ = ["CostCurve", "CostModel", "DepthCost", "isotonic"]
