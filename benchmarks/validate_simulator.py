@@ -203,7 +203,7 @@ def simulate_arm(traces: TraceSet, policy: str, cost: StepCost, C: int, seeds,
 
 # What our adaptive depth would do under the measured H200 costs, planning
 # with the start-up table (as served that day), with and without the
-# correction from timed drafting steps, and with the true table. One
+# correction from timed drafting and steps, and with the true table. One
 # verifier per arm and concurrency serves all its batches in turn, as in a
 # server (C=1: the 38 tapes one after the other; C>1: the seeds' batches).
 WHAT_IF = {
@@ -211,8 +211,8 @@ WHAT_IF = {
     "fixed_k3": ("fixed_k3", {}),
     "fixed_k7": ("fixed_k7", {}),
     "ours, start-up table": ("ours_adaptive_depth", {"belief": "startup", "calibrate": False}),
-    "ours, start-up table + timed drafting": ("ours_adaptive_depth",
-                                              {"belief": "startup", "calibrate": True}),
+    "ours, start-up table + timed steps": ("ours_adaptive_depth",
+                                           {"belief": "startup", "calibrate": True}),
     "ours, true table": ("ours_adaptive_depth", {"calibrate": False}),
 }
 

@@ -237,3 +237,45 @@ def test_calibration_moves_the_depth_decision():
     for _ in range(30):
         v.observe_draft_time(K, 8, 10.0)
     assert v.choose_depth(ids, 8, 8) == 0
+
+
+def test_measured_step_time_corrects_the_verification_table():
+    verify = {1: [2.0], 64: [2.0], 256: [4.0], 1024: [8.0]}
+    v = _verifier(draft_ms=1.0, verify=verify)
+    cost = v.cost
+    before = cost.verify_cost_range(0, 2048).copy()
+    for _ in range(50):
+        v.observe_verify_time(300, 2.0 * float(cost.verify.table(301)[300]))  # bucket 8
+    assert cost.verify_cost(300) == pytest.approx(2.0 * before[300], rel=1e-3)
+    # Every bucket borrows the nearest measured one's scale; the table stays
+    # monotone and the scalar and range lookups agree.
+    after = cost.verify_cost_range(0, 2048)
+    np.testing.assert_allclose(after[1:], np.maximum.accumulate(2.0 * before[1:]), rtol=1e-6)
+    assert np.all(np.diff(after) >= 0)
+    assert cost.verify_cost(np.array([10, 300, 1500])).tolist() == pytest.approx(
+        [after[10], after[300], after[1500]])
+    # A second bucket measured as profiled keeps its own scale.
+    for _ in range(50):
+        v.observe_verify_time(20, float(cost.verify.table(21)[20]))  # bucket 4
+    assert cost.verify_cost(20) == pytest.approx(before[20], rel=1e-3)
+    assert cost.verify_cost(300) == pytest.approx(2.0 * before[300], rel=1e-3)
+    # Bad samples are ignored; the profiled curve itself is untouched.
+    v.observe_verify_time(0, 5.0)
+    v.observe_verify_time(300, float("inf"))
+    assert cost.verify(300) == pytest.approx(before[300])
+
+
+def test_budget_sizing_reads_the_corrected_table():
+    # Profiled: extra tokens free; measured: each step costs 10x at large
+    # token counts. The budget shrinks once the measurements are in.
+    verify = {1: [1.0], 4096: [1.0]}
+    v = _verifier(draft_ms=0.0, verify=verify)
+    ids = _ids(64)
+    feats = torch.full((64, K), 0.0)
+    drafted = np.full(64, K)
+    full = v.admit(ids, feats, drafted, 64, 64).sum()
+    for _ in range(50):
+        v.observe_verify_time(512, 10.0)  # buckets >= 9 measured dear
+        v.observe_verify_time(64, 1.0)    # bucket 6 as profiled
+    trimmed = v.admit(ids, feats, drafted, 64, 64).sum()
+    assert full == 64 * K and trimmed < full

@@ -132,6 +132,9 @@ def _fake_runner(depth_zero_cost: float, skip: bool):
             calls.append(scheduler_output.num_spec_tokens_to_schedule)
             return [[] for _ in range(self.input_batch.num_reqs)]
 
+        def _orig__update_states(self, scheduler_output):
+            pass
+
     r = Runner()
     R = 4
     r.input_batch = SimpleNamespace(num_reqs=R, req_ids=[f"r{i}" for i in range(R)],
@@ -164,3 +167,30 @@ def test_depth_zero_skips_the_drafter_unless_told_to_keep_its_kv(skip):
         # The drafter runs (its first forward keeps its KV whole); a depth-0
         # step would cost that same forward, so depth 1 beats it here.
         assert len(calls) == 1 and calls[0] <= 1
+
+
+def test_every_fourth_step_is_timed_up_to_drafting():
+    """RunnerForgetPatch starts the step timer, RunnerAdmitPatch stops it
+    on entry: the step's time apart from drafting corrects the
+    verification table of its token count."""
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.mrv1.patches import (
+        DRAFT_TIMING_INTERVAL,
+        RunnerAdmitPatch,
+        RunnerForgetPatch,
+    )
+
+    runner, _ = _fake_runner(depth_zero_cost=1e5, skip=True)
+    verifier = runner._vllm_av_verifier
+    for step in range(1, 2 * DRAFT_TIMING_INTERVAL + 1):
+        so = SimpleNamespace(num_spec_tokens_to_schedule=K, finished_req_ids=set(),
+                             preempted_req_ids=None, total_num_scheduled_tokens=300)
+        RunnerForgetPatch._update_states(runner, so)
+        RunnerAdmitPatch.propose_draft_token_ids(runner, so, [[1]] * 4)
+        timed = step // DRAFT_TIMING_INTERVAL
+        assert len(verifier._verify_log_scale) == min(timed, 1)
+    # 300 tokens: bucket 8; the measured time (microseconds here) is far
+    # below the profiled 1 ms, so the scale dropped.
+    assert list(verifier.cost.verify_scale) == [8]
+    assert verifier.cost.verify_scale[8] < 1.0

@@ -183,6 +183,11 @@ class CostModel:
         # Whether a step of depth 0 skips the drafter (no drafting cost);
         # otherwise it pays the drafter's first forward, as profiled at depth 1.
         self.free_zero_depth = False
+        # Multiplier per token-count bucket (floor(log2 n)) learnt from
+        # measured steps (AdaptiveVerifier.observe_verify_time); empty: the
+        # profiled table as it is.
+        self.verify_scale: dict[int, float] = {}
+        self._scaled: tuple | None = None  # (scales snapshot, scaled table)
 
     def _draft_scale(self, depth: int) -> float:
         if not self.draft_scale:
@@ -227,12 +232,36 @@ class CostModel:
         )
 
     def verify_cost(self, num_tokens):
-        """Target forward cost (ms) at `num_tokens` tokens in the step."""
-        return self.verify(num_tokens)
+        """Target forward cost (ms) at `num_tokens` tokens in the step (the
+        step's cost apart from drafting), with its measured correction."""
+        if not self.verify_scale:
+            return self.verify(num_tokens)
+        n = np.asarray(num_tokens)
+        if n.ndim == 0 and 0 <= int(n):
+            return float(self._scaled_table(int(n) + 1)[int(n)])
+        return self._scaled_table(int(n.max()) + 1)[n.astype(np.int64)]
 
     def verify_cost_range(self, start: int, stop: int) -> np.ndarray:
         """verify_cost(n) for integer n in [start, stop), as one slice."""
-        return self.verify.table(stop)[start:]
+        if not self.verify_scale:
+            return self.verify.table(stop)[start:]
+        return self._scaled_table(stop)[start:stop]
+
+    def _scaled_table(self, stop: int) -> np.ndarray:
+        """The profiled table times each size's bucket scale, kept monotone."""
+        key = tuple(sorted(self.verify_scale.items()))
+        if self._scaled is None or self._scaled[0] != key or self._scaled[1].size < stop:
+            size = max(stop, self.verify.table(stop).size)
+            base = self.verify.table(size)
+            buckets = np.floor(np.log2(np.maximum(np.arange(size), 1))).astype(np.int64)
+            known = np.array([b for b, _ in key])
+            vals = np.array([v for _, v in key])
+            # Each bucket takes its own scale, or the nearest measured one's.
+            nearest = np.abs(buckets[:, None] - known[None, :]).argmin(axis=1)
+            table = np.maximum.accumulate(base * vals[nearest])
+            table.flags.writeable = False
+            self._scaled = (key, table)
+        return self._scaled[1]
 
     def draft_cost(self, num_reqs):
         """Drafting cost (ms) of one step for `num_reqs` drafting requests

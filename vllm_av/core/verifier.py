@@ -134,14 +134,16 @@ EXPLORE_MAX_TIME_SHARE = 0.05
 # a full-depth step pay (then exploring can only confirm that; it is kept
 # so that a drafter that gets faster is noticed).
 EXPLORE_HOPELESS_TIME_SHARE = 0.01
-# Measured drafting times correct the profiled drafting tables (per depth,
-# exponentially weighted in log space with this weight per measurement):
-# start-up profiles time the drafter's dummy runs, which can miss costs that
-# real drafting steps pay (on the H200 with vLLM 0.32, real draft-model
-# steps cost 4-12x their profiled dummy runs: the drafter ran outside CUDA
-# graphs). Ratios are clipped to this range.
-DRAFT_CALIBRATION_WEIGHT = 0.2
-DRAFT_CALIBRATION_CLIP = (0.05, 100.0)
+# Measured drafting times correct the profiled drafting tables (per depth),
+# and measured step times the verification table (per power-of-two bucket
+# of token counts), each exponentially weighted in log space with this
+# weight per measurement. Start-up profiles time dummy runs, which can miss
+# what real steps pay: on the H200 with vLLM 0.32, real draft-model steps
+# cost 4-12x their profiled dummy runs (the drafter ran outside CUDA graphs),
+# and the profiled verification (attention over a synthetic long context)
+# was 1.5-2x the real target step. Ratios are clipped to this range.
+CALIBRATION_WEIGHT = 0.2
+CALIBRATION_CLIP = (0.05, 100.0)
 # Feature (logit(q_max)) given to undrafted slots before any slot at that
 # position was drafted: q_max = 0.88, a confident drafter.
 UNDRAFTED_FEATURE = 2.0
@@ -191,6 +193,7 @@ class AdaptiveVerifier:
         self._last_depth: int | None = None
         self._since_explore = 0
         self._draft_log_scale: dict[int, float] = {}
+        self._verify_log_scale: dict[int, float] = {}
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -262,6 +265,23 @@ class AdaptiveVerifier:
                 interval = max(interval, int(np.ceil(extra / (share * base))))
         return interval
 
+    def observe_verify_time(self, num_tokens: int, ms: float) -> None:
+        """A measured step apart from drafting (`num_tokens` target tokens,
+        wall time `ms`): corrects the verification table around that size
+        (per power-of-two bucket of token counts)."""
+        if num_tokens <= 0 or not np.isfinite(ms) or ms <= 0:
+            return
+        predicted = float(self.cost.verify(int(num_tokens)))
+        if predicted <= 1e-6:
+            return
+        bucket = int(np.floor(np.log2(num_tokens)))
+        ratio = float(np.clip(ms / predicted, *CALIBRATION_CLIP))
+        log_scale = self._verify_log_scale.get(bucket)
+        w = CALIBRATION_WEIGHT
+        log_scale = np.log(ratio) if log_scale is None else (1 - w) * log_scale + w * np.log(ratio)
+        self._verify_log_scale[bucket] = log_scale
+        self.cost.verify_scale[bucket] = float(np.exp(log_scale))
+
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,
         wall time `ms`): corrects the drafting table at that depth."""
@@ -270,9 +290,9 @@ class AdaptiveVerifier:
         predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
         if predicted <= 1e-6:
             return  # nothing profiled to correct (model-free drafters)
-        ratio = float(np.clip(ms / predicted, *DRAFT_CALIBRATION_CLIP))
+        ratio = float(np.clip(ms / predicted, *CALIBRATION_CLIP))
         log_scale = self._draft_log_scale.get(depth)
-        w = DRAFT_CALIBRATION_WEIGHT
+        w = CALIBRATION_WEIGHT
         log_scale = np.log(ratio) if log_scale is None else (1 - w) * log_scale + w * np.log(ratio)
         self._draft_log_scale[depth] = log_scale
         self.cost.draft_scale[depth] = float(np.exp(log_scale))

@@ -53,6 +53,9 @@ class Policy:
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """The drafting time the step just paid (what the engine measures)."""
 
+    def observe_verify_time(self, num_tokens: int, ms: float) -> None:
+        """The rest of the step's time, at `num_tokens` target tokens."""
+
 
 class NoSpec(Policy):
     name = "no_spec"
@@ -81,8 +84,8 @@ class ShippedAV(Policy):
                  calibrate: bool = True):
         """belief: the cost table the verifier plans with (a start-up
         profile, say) when it differs from what steps really cost
-        (`step_cost`); calibrate: correct it from measured drafting times,
-        as the engine does."""
+        (`step_cost`); calibrate: correct it from measured drafting and step
+        times, as the engine does."""
         self.K = K
         # The verifier's own copy: calibration must not change the truth.
         model = CostModel.from_json((step_cost.model if belief is None else belief).to_json())
@@ -109,6 +112,10 @@ class ShippedAV(Policy):
     def observe_draft_time(self, depth, num_reqs, ms):
         if self.calibrate:
             self.verifier.observe_draft_time(depth, num_reqs, ms)
+
+    def observe_verify_time(self, num_tokens, ms):
+        if self.calibrate:
+            self.verifier.observe_verify_time(num_tokens, ms)
 
 
 class ReferenceAV(Policy):

@@ -105,10 +105,12 @@ def simulate(
         policy.observe(ids, admitted, accepted)
         emitted = np.minimum(accepted + 1, length[rows] - p)  # [R], capped at the end
         draft_ms = cost.draft_ms(drafted)
-        ms = (draft_ms + float(cost.verify_ms(rows.size + int(admitted.sum())))
-              + cost.overhead_ms(drafted))
+        num_tokens = rows.size + int(admitted.sum())
+        rest_ms = float(cost.verify_ms(num_tokens)) + cost.overhead_ms(drafted)
+        ms = draft_ms + rest_ms
         if drafted.size and drafted.max() > 0:
             policy.observe_draft_time(int(drafted.max()), int((drafted > 0).sum()), draft_ms)
+        policy.observe_verify_time(num_tokens, rest_ms)
         if step >= warmup_steps:
             tokens += int(emitted.sum())
             time_ms += ms

@@ -128,7 +128,9 @@ class RunnerAdmitPatch(VllmPatch):
         hands to the scheduler for CPU-side drafters), so trimmed drafts
         take no KV slot and no target compute. Every 4th drafting call is
         timed and corrects the profiled drafting table
-        (`AdaptiveVerifier.observe_draft_time`).
+        (`AdaptiveVerifier.observe_draft_time`); every 4th step, the time
+        from its start (RunnerForgetPatch) to drafting corrects the
+        verification table (`AdaptiveVerifier.observe_verify_time`).
     Upstream: an admission hook between drafting and scheduling in V1
         (vLLM's dynamic speculative decoding already sets the depth through
         num_spec_tokens_to_schedule, from a static lookup table).
@@ -144,6 +146,7 @@ class RunnerAdmitPatch(VllmPatch):
         verifier = verifier_of(self)
         if verifier is None:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        _StepTimer.stop(self, verifier)
         drafter = self.drafter
         options = getattr(self, _OPTIONS_ATTR, None)
         depth = None
@@ -216,6 +219,43 @@ class _DraftTimer:
                 torch.cuda.synchronize()
             self.ms = (time.perf_counter() - self.t0) * 1e3
         return False
+
+
+class _StepTimer:
+    """Wall time of a step up to drafting (input preparation, the target
+    forward, sampling and verification), on every DRAFT_TIMING_INTERVAL-th
+    step, for `AdaptiveVerifier.observe_verify_time`."""
+
+    ATTR = "_vllm_av_step_timer"
+
+    @classmethod
+    def start(cls, runner, num_tokens: int) -> None:
+        n = getattr(runner, _STEP_CALLS_ATTR, 0) + 1
+        setattr(runner, _STEP_CALLS_ATTR, n)
+        mark = None
+        if num_tokens > 0 and n % DRAFT_TIMING_INTERVAL == 0:
+            _sync_if_cuda(runner)
+            mark = (time.perf_counter(), int(num_tokens))
+        setattr(runner, cls.ATTR, mark)
+
+    @classmethod
+    def stop(cls, runner, verifier) -> None:
+        mark = getattr(runner, cls.ATTR, None)
+        if mark is None:
+            return
+        setattr(runner, cls.ATTR, None)
+        _sync_if_cuda(runner)
+        t0, num_tokens = mark
+        verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3)
+
+
+_STEP_CALLS_ATTR = "_vllm_av_step_calls"
+
+
+def _sync_if_cuda(runner) -> None:
+    device = getattr(runner, "device", None)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _num_decoding(runner) -> int:
@@ -418,7 +458,8 @@ class RunnerForgetPatch(VllmPatch):
         with model drafters the runner drafts the next step before it
         books this step's outcomes.
     How: forget the finished and preempted request ids and, when the step
-        schedules any token, `AdaptiveVerifier.begin_step`; then call the
+        schedules any token, `AdaptiveVerifier.begin_step` (and, every 4th
+        step, start the step timer RunnerAdmitPatch stops); then call the
         original.
     Upstream: none needed if AV state lived in vLLM's request state.
     Remove when: vLLM's V1 runner supports adaptive verification.
@@ -435,6 +476,7 @@ class RunnerForgetPatch(VllmPatch):
             verifier.forget(scheduler_output.preempted_req_ids or ())
             if scheduler_output.total_num_scheduled_tokens > 0:
                 verifier.begin_step()
+            _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
         return type(self)._orig__update_states(self, scheduler_output)
 
 
