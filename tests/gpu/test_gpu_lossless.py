@@ -82,7 +82,8 @@ def cost_table(tmp_path_factory):
 
 def sample(models, cost_table, metrics_dir, lossy: bool) -> np.ndarray:
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_AV_IMPL="ours",
-               VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_METRICS_DIR=str(metrics_dir),
+               VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_CALIBRATE_COSTS="0",
+               VLLM_AV_METRICS_DIR=str(metrics_dir),
                VLLM_AV_METRICS_INTERVAL="1")
     if lossy:
         env.update(VLLM_AV_TEST_LOSSY_ADMISSION="1", VLLM_AV_ADAPTIVE_DEPTH="0")

@@ -41,6 +41,7 @@ def greedy_runs(tiny_models, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv("VLLM_AV_COST_TABLE", prohibitive_drafting_table(tmp / "cost.json"))
+        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
         mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "1")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))

@@ -39,6 +39,7 @@ def av(tiny_models, tmp_path_factory, monkeypatch_module):
     """(engine, metrics dir) of an AV engine with the steep cost table."""
     tmp = tmp_path_factory.mktemp("av")
     monkeypatch_module.setenv("VLLM_AV_COST_TABLE", steep_cost_table(tmp / "steep.json"))
+    monkeypatch_module.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
     monkeypatch_module.setenv("VLLM_AV_METRICS_INTERVAL", "1")
     monkeypatch_module.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
     # These tests are about admission at full depth (K drafts every step);

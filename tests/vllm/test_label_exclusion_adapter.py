@@ -30,6 +30,7 @@ def av(tiny_models, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv("VLLM_AV_COST_TABLE", steep_cost_table(tmp / "steep.json"))
+        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
         mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "0")  # draft every step

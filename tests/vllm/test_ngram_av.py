@@ -96,6 +96,7 @@ def ngram_av(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ngram_av")
     llm = _start(tiny_models, NGRAM_SPEC, {
         "VLLM_AV_COST_TABLE": steep_cost_table(tmp / "steep.json"),
+        "VLLM_AV_CALIBRATE_COSTS": "0",
         "VLLM_AV_METRICS_INTERVAL": "1",
         "VLLM_AV_METRICS_DIR": str(tmp / "metrics"),
         "VLLM_AV_ADAPTIVE_DEPTH": "0",
@@ -181,6 +182,7 @@ def ngram_adaptive_depth(tiny_models, tmp_path_factory, reference):
     tmp = tmp_path_factory.mktemp("ngram_depth")
     llm = _start(tiny_models, NGRAM_SPEC, {
         "VLLM_AV_COST_TABLE": prohibitive_drafting_table(tmp / "cost.json"),
+        "VLLM_AV_CALIBRATE_COSTS": "0",
         "VLLM_AV_ADAPTIVE_DEPTH": "1",
         "VLLM_AV_METRICS_INTERVAL": "1",
         "VLLM_AV_METRICS_DIR": str(tmp / "metrics"),
@@ -211,6 +213,7 @@ def test_suffix_greedy_identical_to_no_speculation(tiny_models, tmp_path_factory
          "enable_adaptive_verification": True},
         {
             "VLLM_AV_COST_TABLE": steep_cost_table(tmp / "steep.json"),
+            "VLLM_AV_CALIBRATE_COSTS": "0",
             "VLLM_AV_METRICS_INTERVAL": "1",
             "VLLM_AV_METRICS_DIR": str(tmp / "metrics"),
             "VLLM_AV_ADAPTIVE_DEPTH": "0",

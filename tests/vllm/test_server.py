@@ -50,6 +50,7 @@ def server(tiny_models, tmp_path_factory):
     env = dict(os.environ)
     env.update(
         VLLM_AV_COST_TABLE=steep_cost_table(tmp / "steep.json"),
+        VLLM_AV_CALIBRATE_COSTS="0",
         VLLM_AV_METRICS_INTERVAL="1",
         VLLM_CPU_KVCACHE_SPACE="1",
     )

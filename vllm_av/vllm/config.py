@@ -86,6 +86,10 @@ class AVOptions:
     # output distribution. Off: the drafter still runs its first forward to
     # keep its KV cache whole (one draft forward per step, always paid).
     zero_depth_skips_drafter: bool = True
+    # Correct the cost tables from timed steps (every 4th step: drafting,
+    # and the rest of the step). Off: plan with the profiled or loaded
+    # table exactly as it is (tests that pin a table do).
+    calibrate_costs: bool = True
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

@@ -149,6 +149,7 @@ class RunnerAdmitPatch(VllmPatch):
         _StepTimer.stop(self, verifier)
         drafter = self.drafter
         options = getattr(self, _OPTIONS_ATTR, None)
+        calibrate = options is None or options.calibrate_costs
         depth = None
         if options is not None and options.adaptive_depth:
             depth = _choose_depth(self, verifier)
@@ -167,7 +168,7 @@ class RunnerAdmitPatch(VllmPatch):
             out = [[] for _ in range(self.input_batch.num_reqs)]
             _maybe_write_metrics(self, verifier)
             return out
-        timer = _DraftTimer(self)
+        timer = _DraftTimer(self, calibrate)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:
                 with timer:
@@ -198,10 +199,10 @@ _DRAFT_CALLS_ATTR = "_vllm_av_draft_calls"
 class _DraftTimer:
     """Wall time of one drafting call, on every DRAFT_TIMING_INTERVAL-th call."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, enabled: bool = True):
         n = getattr(runner, _DRAFT_CALLS_ATTR, 0) + 1
         setattr(runner, _DRAFT_CALLS_ATTR, n)
-        self.active = n % DRAFT_TIMING_INTERVAL == 0
+        self.active = enabled and n % DRAFT_TIMING_INTERVAL == 0
         device = getattr(runner, "device", None)
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.ms = None
@@ -476,7 +477,9 @@ class RunnerForgetPatch(VllmPatch):
             verifier.forget(scheduler_output.preempted_req_ids or ())
             if scheduler_output.total_num_scheduled_tokens > 0:
                 verifier.begin_step()
-            _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
+            options = getattr(self, _OPTIONS_ATTR, None)
+            if options is None or options.calibrate_costs:
+                _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
         return type(self)._orig__update_states(self, scheduler_output)
 
 
