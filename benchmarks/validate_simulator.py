@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_av.core.cost_model import CostCurve, CostModel
+from vllm_av.core.cost_model import isotonic as fit_isotonic
 from vllm_av.sim import StepCost, TraceSet, load_traces, make_policy, simulate
 from vllm_av.sim.traces import PromptTape
 
@@ -62,17 +63,9 @@ def isotonic(x, y):
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     xs = np.unique(x)
-    means = [float(y[x == v].mean()) for v in xs]
-    weights = [float((x == v).sum()) for v in xs]
-    blocks = []  # [mean, weight, count of distinct x]
-    for m, w in zip(means, weights):
-        blocks.append([m, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    fit = np.concatenate([[m] * n for m, _, n in blocks])
-    return xs, fit
+    means = np.array([y[x == v].mean() for v in xs])
+    weights = np.array([(x == v).sum() for v in xs], dtype=np.float64)
+    return xs, fit_isotonic(means, weights)
 
 
 def _curve(points) -> CostCurve:

@@ -46,19 +46,25 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 
-def isotonic(y: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence closest to y in least squares (pool
-    adjacent violators, equal weights)."""
+def isotonic(y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """The non-decreasing sequence closest to y in (weighted) least squares:
+    pool adjacent violators."""
+    y = np.asarray(y, dtype=np.float64)
+    w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=np.float64)
     means: list[float] = []
+    mass: list[float] = []
     counts: list[int] = []
-    for v in np.asarray(y, dtype=np.float64):
+    for v, wv in zip(y, w):
         means.append(float(v))
+        mass.append(float(wv))
         counts.append(1)
         while len(means) > 1 and means[-2] > means[-1]:
-            n = counts[-2] + counts[-1]
-            means[-2] = (means[-2] * counts[-2] + means[-1] * counts[-1]) / n
-            counts[-2] = n
+            m = mass[-2] + mass[-1]
+            means[-2] = (means[-2] * mass[-2] + means[-1] * mass[-1]) / m
+            mass[-2] = m
+            counts[-2] += counts[-1]
             means.pop()
+            mass.pop()
             counts.pop()
     return np.repeat(means, counts)
 
