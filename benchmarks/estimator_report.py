@@ -1,4 +1,4 @@
-"""Acceptance-estimator report on the real draft traces (DESIGN 6, issue 7).
+"""Acceptance-estimator report on the real draft traces (DESIGN 6).
 
 Reads shared/data/traces/traces_<dataset>.npz (numpy, no pickle) and scores
 predictors of per-slot acceptance on the labelled (uncensored) drafts:
