@@ -149,6 +149,15 @@ CALIBRATION_CLIP = (0.05, 100.0)
 UNDRAFTED_FEATURE = 2.0
 
 
+def _update_scale(log_scales: dict, scales: dict, key: int, ratio: float) -> None:
+    """Fold one measured / predicted ratio into the running (log-space,
+    exponentially weighted) correction at `key`."""
+    x = float(np.log(np.clip(ratio, *CALIBRATION_CLIP)))
+    prev = log_scales.get(key)
+    log_scales[key] = x if prev is None else (1 - CALIBRATION_WEIGHT) * prev + CALIBRATION_WEIGHT * x
+    scales[key] = float(np.exp(log_scales[key]))
+
+
 class AdaptiveVerifier:
     """Per-engine AV policy: admit drafts each step, learn from outcomes.
 
@@ -275,12 +284,7 @@ class AdaptiveVerifier:
         if predicted <= 1e-6:
             return
         bucket = int(np.floor(np.log2(num_tokens)))
-        ratio = float(np.clip(ms / predicted, *CALIBRATION_CLIP))
-        log_scale = self._verify_log_scale.get(bucket)
-        w = CALIBRATION_WEIGHT
-        log_scale = np.log(ratio) if log_scale is None else (1 - w) * log_scale + w * np.log(ratio)
-        self._verify_log_scale[bucket] = log_scale
-        self.cost.verify_scale[bucket] = float(np.exp(log_scale))
+        _update_scale(self._verify_log_scale, self.cost.verify_scale, bucket, ms / predicted)
 
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,
@@ -290,12 +294,7 @@ class AdaptiveVerifier:
         predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
         if predicted <= 1e-6:
             return  # nothing profiled to correct (model-free drafters)
-        ratio = float(np.clip(ms / predicted, *CALIBRATION_CLIP))
-        log_scale = self._draft_log_scale.get(depth)
-        w = CALIBRATION_WEIGHT
-        log_scale = np.log(ratio) if log_scale is None else (1 - w) * log_scale + w * np.log(ratio)
-        self._draft_log_scale[depth] = log_scale
-        self.cost.draft_scale[depth] = float(np.exp(log_scale))
+        _update_scale(self._draft_log_scale, self.cost.draft_scale, depth, ms / predicted)
 
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K

@@ -203,21 +203,18 @@ class _DraftTimer:
         n = getattr(runner, _DRAFT_CALLS_ATTR, 0) + 1
         setattr(runner, _DRAFT_CALLS_ATTR, n)
         self.active = enabled and n % DRAFT_TIMING_INTERVAL == 0
-        device = getattr(runner, "device", None)
-        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.runner = runner
         self.ms = None
 
     def __enter__(self):
         if self.active:
-            if self.cuda:
-                torch.cuda.synchronize()
+            _sync_if_cuda(self.runner)
             self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if self.active and exc_type is None:
-            if self.cuda:
-                torch.cuda.synchronize()
+            _sync_if_cuda(self.runner)
             self.ms = (time.perf_counter() - self.t0) * 1e3
         return False
 

@@ -190,15 +190,16 @@ class AVManager:
         try:
             from vllm.distributed.parallel_state import get_tp_group
 
-            draft_curve, verify_curve = get_tp_group().broadcast_object(
-                (list(draft_curve), list(verify_curve)), src=0
-            )
+            tp = get_tp_group()
         except (AssertionError, ImportError, RuntimeError):
-            pass  # no TP group (tests, single process)
+            tp = None  # no TP group (tests, single process)
+        if tp is not None:
+            draft_curve, verify_curve = tp.broadcast_object(
+                (list(draft_curve), list(verify_curve)), src=0)
         if self.options.cost_table and self.cost is not None:
             logger.info("vllm-av (MRV2): %s (from %s)", self.cost.summary(), self.options.cost_table)
         else:
-            if not draft_curve or not verify_curve:
+            if len(draft_curve) == 0 or len(verify_curve) == 0:
                 raise RuntimeError(
                     "vllm-av: adaptive verification could not profile step costs; "
                     "set VLLM_AV_COST_TABLE to a saved table, or remove "
@@ -324,25 +325,26 @@ class AVManager:
         num_scheduled_tokens: np.ndarray,
         cu_num_logits_np: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Host layout of the compacted batch: B spread evenly over the
-        verifying requests (at the front of the batch), an upper-bound
-        cu_num_logits unless B is 0 (then exact)."""
+        """Host-side token counts once the budget B is known. The device
+        picks which slots verify; the host needs only a layout with the
+        right total: each request's own tokens plus B dealt round-robin over
+        the requests that drafted (they lead the batch). cu_num_logits stays
+        an upper bound, except at B = 0: one logit per request."""
         assert self._batch is not None
         budget = self._batch[3]
         drafts = np.asarray(num_draft_tokens_per_req)
         if budget == int(drafts.sum()):
             return num_scheduled_tokens, cu_num_logits_np
-        non_draft = num_scheduled_tokens - drafts
+        own = num_scheduled_tokens - drafts
         if budget == 0:
-            n = len(num_scheduled_tokens)
-            cu = np.arange(n + 1, dtype=cu_num_logits_np.dtype) * self.num_bonus_tokens
-            return non_draft, cu
-        verifying = int(np.count_nonzero(drafts > 0))
-        assert np.all(drafts[:verifying] > 0), "verifying requests must lead the batch"
-        spread = np.zeros_like(non_draft)
-        spread[:verifying] = budget // verifying
-        spread[: budget % verifying] += 1
-        return non_draft + spread, cu_num_logits_np
+            ends = np.arange(own.size + 1, dtype=cu_num_logits_np.dtype)
+            return own, ends * self.num_bonus_tokens
+        drafted = np.flatnonzero(drafts)
+        v = drafted.size
+        assert v and drafted[-1] == v - 1, "requests that drafted must lead the batch"
+        dealt = np.zeros_like(own)
+        dealt[:v] = (budget + v - 1 - np.arange(v)) // v  # sums to B, first B % v get one more
+        return own + dealt, cu_num_logits_np
 
     def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor):
         """Admit the B best current slots on the device and lay out the
