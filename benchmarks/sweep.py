@@ -87,7 +87,7 @@ class Arm:
     env: tuple[tuple[str, str], ...] = ()
 
     def speculative_config(self, draft: str) -> dict | None:
-        if self.role == "nospec":
+        if self.role in ("nospec", "nospec_v1"):
             return None
         if self.family == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": self.k, **NGRAM_LOOKUP}
@@ -113,6 +113,10 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         base_env += (("VLLM_AV_IMPL", "off"),)
     if base == "nospec":
         return Arm(name, family, "nospec", 0, base_env)
+    if base == "nospecv1":
+        # No speculation on Model Runner V1, the runner our AV uses: what
+        # depth 0 can at best reach there.
+        return Arm(name, family, "nospec_v1", 0, tuple(dict(base_env + v1).items()))
     if re.fullmatch(r"k\d+", base):
         return Arm(name, family, "fixed", int(base[1:]), base_env)
     if re.fullmatch(r"k\d+v1", base):
@@ -131,7 +135,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         if device == "gpu":
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
-    raise ValueError(f"unknown arm {name!r}: use nospec, k<N>, k<N>v1, vllm_av, ours, "
+    raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, k<N>, k<N>v1, vllm_av, ours, "
                      f"ngram_nospec, ngram_k<N>, ngram_ours")
 
 
@@ -293,6 +297,9 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         "av_verified_fraction": _div(av["verified"], av["drafted"]),
         "av_acceptance_of_verified": _div(av["accepted"], av["verified"]),
         "av_budget": metric_sum(delta, "vllm_av:budget"),
+        # Adaptive depth: the share of this run's steps that drafted nothing.
+        "av_zero_depth_share": _div(metric_sum(delta, "vllm_av:zero_depth_steps_total"),
+                                    metric_sum(delta, "vllm_av:depth_steps_total")),
     }
 
 
@@ -447,7 +454,7 @@ def merge(run_dir: Path, write: bool = True) -> dict:
 
 
 def _order_arms(names) -> list[str]:
-    rank = {a: i for i, a in enumerate(["nospec", "ngram_nospec"] + DEFAULT_ARMS)}
+    rank = {a: i for i, a in enumerate(["nospec", "nospecv1", "ngram_nospec"] + DEFAULT_ARMS)}
     return sorted(set(names), key=lambda a: (rank.get(a, len(rank)), a))
 
 
@@ -474,6 +481,8 @@ def report_markdown(summary: dict) -> str:
              "sd_acceptance_rate", ".2f"),
             ("Fraction of drafted tokens verified (ours; vllm_av:*)", "av_verified_fraction",
              ".2f"),
+            ("Share of steps that drafted nothing (ours, adaptive depth; vllm_av:*)",
+             "av_zero_depth_share", ".2f"),
         ):
             if not any(by[a, c].get(key) is not None for a, c in by):
                 continue
@@ -647,11 +656,11 @@ class Server:
             self.proc = None
 
 
-def bench_command(opts, server: Server, prompt_file: Path, concurrency: int, num_prompts: int,
-                  temperature: float, out_dir: Path | None, filename: str | None,
-                  output_len: int) -> list[str]:
-    cmd = [*opts.vllm_cmd, "bench", "serve",
-           "--backend", opts.backend, "--endpoint", opts.endpoint,
+def bench_args(opts, server: Server, prompt_file: Path, concurrency: int, num_prompts: int,
+               temperature: float, out_dir: Path | None, filename: str | None,
+               output_len: int) -> list[str]:
+    """The arguments of one `vllm bench serve` run (after `vllm bench serve`)."""
+    cmd = ["--backend", opts.backend, "--endpoint", opts.endpoint,
            "--base-url", server.url, "--model", str(opts.target), "--tokenizer", str(opts.target),
            "--dataset-name", "sharegpt", "--dataset-path", str(prompt_file),
            # The file holds the prompts in their final form and order (see
@@ -673,22 +682,93 @@ def bench_command(opts, server: Server, prompt_file: Path, concurrency: int, num
     return cmd
 
 
-def _bench(opts, server, prompt_file, concurrency, num_prompts, temperature, log_path,
-           out_dir=None, filename=None, output_len=None) -> None:
-    cmd = bench_command(opts, server, prompt_file, concurrency, num_prompts, temperature,
-                        out_dir, filename, output_len or opts.output_len)
+def bench_command(opts, *args, **kwargs) -> list[str]:
+    """`vllm bench serve ...` as a command line (see bench_args)."""
+    return [*opts.vllm_cmd, "bench", "serve", *bench_args(opts, *args, **kwargs)]
+
+
+def _client_env() -> dict:
     # The client's aiohttp session trusts the environment's proxies: keep
     # requests to the local server off them.
     env = dict(os.environ)
     for var in ("no_proxy", "NO_PROXY"):
         env[var] = ",".join(x for x in (env.get(var), "127.0.0.1", "localhost") if x)
-    proc = _spawn(cmd, log_path, env)
-    try:
-        rc = proc.wait()
-    finally:
-        _kill_group(proc, grace=5.0)
+    return env
+
+
+class BenchDriver:
+    """One long-lived process running `vllm bench serve` per request
+    (benchmarks/bench_driver.py): the client's imports are paid once per
+    sweep instead of once per run."""
+
+    def __init__(self, python: str, log_path: Path):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [python, str(REPO / "benchmarks" / "bench_driver.py"), "--log", str(log_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_client_env(),
+            start_new_session=True)
+        _LIVE.add(self.proc)
+        if not self._answer().get("ready"):
+            raise RuntimeError(f"bench driver did not start (see {log_path})")
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench driver exited with {self.proc.wait()} "
+                               f"(see {self.log_path})")
+        return json.loads(line)
+
+    def run(self, argv: list[str], log_path: Path) -> int:
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+        self.proc.stdin.flush()
+        return int(self._answer()["rc"])
+
+    def close(self) -> None:
+        _kill_group(self.proc, grace=5.0)
+
+
+_DRIVER: BenchDriver | None = None
+
+
+def _driver(opts, run_dir: Path) -> BenchDriver:
+    global _DRIVER
+    if _DRIVER is None or _DRIVER.proc.poll() is not None:
+        py = opts.vllm_cmd[0] if opts.vllm_cmd[1:2] == ["-m"] else sys.executable
+        _DRIVER = BenchDriver(py, run_dir / "logs" / "bench_driver.log")
+    return _DRIVER
+
+
+def _bench(opts, server, prompt_file, concurrency, num_prompts, temperature, log_path,
+           out_dir=None, filename=None, output_len=None) -> None:
+    args = bench_args(opts, server, prompt_file, concurrency, num_prompts, temperature,
+                      out_dir, filename, output_len or opts.output_len)
+    if opts.bench_client == "driver":
+        rc = _driver(opts, log_path.parent.parent).run(args, log_path)
+    else:
+        proc = _spawn([*opts.vllm_cmd, "bench", "serve", *args], log_path, _client_env())
+        try:
+            rc = proc.wait()
+        finally:
+            _kill_group(proc, grace=5.0)
     if rc != 0:
         raise RuntimeError(f"vllm bench serve exited with {rc} (see {log_path})")
+
+
+def _after_arm(opts, server: Server, log_path: Path) -> None:
+    """--after-arm-cmd against the arm's live server, after its benchmarks
+    (for example tests/gpu/test_gpu_server.py: no second start-up)."""
+    env = {**server.env(), "VLLM_AV_TEST_SERVER_URL": server.url,
+           "VLLM_AV_TEST_SERVER_MODEL": str(opts.target), "SWEEP_ARM": server.arm.name}
+    _log(f"  after {server.arm.name}: {opts.after_arm_cmd}")
+    proc = _spawn(shlex.split(opts.after_arm_cmd), log_path, env)
+    try:
+        rc = proc.wait(timeout=opts.after_arm_timeout)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    finally:
+        _kill_group(proc, grace=5.0)
+    _log(f"  after {server.arm.name}: exit {rc} (log {log_path})")
 
 
 def _fail(run_dir: Path, arm: str, concurrency: int | None, reason: str, log: Path) -> None:
@@ -732,7 +812,7 @@ def start_together(opts, arms: dict, names: list[str], run_dir: Path) -> dict:
     --server-args). Returns name -> Server, or the exception that stopped it.
     """
     out: dict = {}
-    quiet = [n for n in names if arms[n].role in PROFILING_ROLES]
+    quiet = [n for n in names if arms[n].role in opts.quiet_start]
     rest = [n for n in names if n not in quiet]
     for group in [[n] for n in quiet] + ([rest] if rest else []):
         _log(f"starting {', '.join(group)} together" if len(group) > 1 else f"starting {group[0]}")
@@ -857,6 +937,8 @@ def run(opts) -> int:
                      f"elapsed {_hms(el)}, ETA {_hms(eta)}")
             _, text = server.scrape()
             (run_dir / "logs" / f"{name}.metrics.prom").write_text(text)
+            if opts.after_arm_cmd and name in opts.after_arm_arms:
+                _after_arm(opts, server, run_dir / "logs" / f"{name}.after.log")
         finally:
             if isinstance(server, Server):
                 server.stop()
@@ -925,10 +1007,23 @@ def parse_args(argv=None):
                    default=[sys.executable, "-m", "vllm.entrypoints.cli.main"],
                    help="how to call the vllm CLI (default: this python -m vllm...cli.main)")
     r.add_argument("--health-timeout", type=float, default=1200.0)
+    r.add_argument("--bench-client", choices=["driver", "cli"], default="driver",
+                   help="driver: every `vllm bench serve` run in one long-lived process "
+                        "(benchmarks/bench_driver.py; imports paid once); cli: a fresh "
+                        "`vllm bench serve` command per run")
     r.add_argument("--parallel-start", action="store_true",
                    help="start all arms' servers first (profiling arms one at a time, the "
                         "rest together), then bench them one after another; give each server "
                         "its share of the GPU through --server-args")
+    r.add_argument("--quiet-start", type=_csv(str), default=list(PROFILING_ROLES),
+                   help="with --parallel-start: roles whose servers start alone, before the "
+                        f"rest (default {','.join(PROFILING_ROLES)}: their start-up cost "
+                        "profiles are taken on a quiet machine)")
+    r.add_argument("--after-arm-cmd", default=None,
+                   help="command run against each --after-arm-arms server after its "
+                        "benchmarks (env VLLM_AV_TEST_SERVER_URL / _MODEL name the server)")
+    r.add_argument("--after-arm-arms", type=_csv(str), default=["ours"])
+    r.add_argument("--after-arm-timeout", type=float, default=300.0)
     r.add_argument("--warmup-prompts", type=int, default=MIN_PROMPTS)
     r.add_argument("--metrics-settle-s", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=0)

@@ -2,102 +2,113 @@
 # One GPU round, run on the lent machine after the kit has staged vLLM 0.32
 # and the bf16 model pair (docs/gpu.md has the whole sequence).
 #
-#   bash scripts/gpu/round.sh A   # the draft-model sweep
-#   bash scripts/gpu/round.sh B   # the ngram sweep, MRV2 smoke; step breakdown of ours
-#                                 # and no speculation, tests/gpu
+#   bash scripts/gpu/round.sh start       # the whole round, detached (returns at once)
+#   bash scripts/gpu/round.sh poll 300    # wait up to 300 s, show progress, copy results to $OUT
 #
-# Each call works in two lanes, one per GPU when the machine has two (else
-# one after the other on the one GPU): every lane is its own sweep run
-# folder, so no two benches share a GPU. Servers of one lane start together
-# (benchmarks/sweep.py --parallel-start) and each gets a share of the GPU.
-# Results are packed into $OUT every minute, so a call stopped at its time
-# limit still brings back what it finished.
+# The round runs in its own process session, so it outlives the device
+# call that started it and no call's 10-minute limit cuts a sweep in two:
+# back-to-back `poll` calls keep the machine and bring results back as they
+# land (results.tgz in $OUT, the whole of /tmp/results each time).
+#
+# What it does, in order (one GPU: one after the other; two GPUs: the
+# tests lane runs on the second GPU beside the sweep):
+#  1. the serving sweep (benchmarks/sweep.py): every arm's server starts
+#     before the first bench (vLLM's AV alone first, on a quiet GPU, for its
+#     start-up cost profile; ours self-corrects its profile from timed
+#     steps), then each arm is benched in turn; tests/gpu/test_gpu_server.py
+#     (256 requests with aborts, /metrics) runs against the live `ours` server;
+#  2. tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs);
+#  3. scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2);
+#  4. the step breakdown of ours (per-phase timings, chosen depths);
+#  5. more sweep arms (ARMS2) into the same folder while time is left.
 set -uo pipefail
-PART=${1:-A}
+MODE=${1:-start}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}
+RES=/tmp/results
+JOBLOG=$RES/job.log
+
+pack() {
+  mkdir -p "$OUT"
+  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+}
+
+if [[ "$MODE" == start ]]; then
+  mkdir -p "$RES"
+  # The device tool refreshes the checkout between calls: run a copy.
+  cp "$0" /tmp/round_job.sh
+  setsid nohup bash /tmp/round_job.sh job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
+  sleep 5
+  cat "$JOBLOG"
+  exit 0
+fi
+
+if [[ "$MODE" == poll ]]; then
+  WAIT=${2:-300}
+  t0=$(date +%s)
+  while [[ ! -f $RES/DONE ]] && (( $(date +%s) - t0 < WAIT )); do sleep 10; done
+  echo "== job.log (last 40 lines)"; tail -40 "$JOBLOG"
+  for f in "$RES"/h200_*.log; do [[ -f $f ]] && { echo "== $f"; grep -a "^\[sweep" "$f" | tail -25; }; done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+  [[ -f $RES/DONE ]] && echo "ROUND DONE"
+  pack
+  exit 0
+fi
+
+# ---- job (detached)
+ROOT=${2:-$ROOT}
+cd "$ROOT"
 source .gpu/tools/env.sh
 python3 scripts/gpu/register_plugin.py /tmp/site_av >/dev/null
-export PYTHONPATH=/tmp/site_av:$ROOT:$PYTHONPATH
-RES=/tmp/results; mkdir -p "$RES"
-LIMIT=${LANE_LIMIT_S:-530}   # each lane's own limit, inside the call's 600 s
+export PYTHONPATH=/tmp/site_av:$ROOT:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+log() { echo "[round $(date -u +%T)] $*"; }
 NGPU=$(nvidia-smi -L | wc -l)
-log() { echo "[round $PART $(date -u +%T)] $*"; }
-log "$NGPU GPU(s); lanes stop after $LIMIT s"
-
-pack() { tar czf "$OUT/results_$PART.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results_$PART.tgz.tmp" "$OUT/results_$PART.tgz"; }
-( while sleep 60; do pack; done ) &
-PACKER=$!
+log "$NGPU GPU(s)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 # 256 sequences: vLLM 0.32's V2 warm-up with a draft model and K=7 builds a
 # batch of min(max_num_seqs, 8192 // 9) requests whose drafter prefill
 # (9100 tokens at the H200 default of 1024 sequences) falls outside the
 # compiled range and kills start-up; 256 keeps it inside and is the largest
-# concurrency the sweep uses.
-SERVER_ARGS="--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.2 --kv-cache-memory-bytes 12884901888"
-sweep() {  # sweep <gpu> <run name> <arms> [extra sweep args]
-  local gpu=$1 run=$2 arms=$3; shift 3
-  CUDA_VISIBLE_DEVICES=$gpu VLLM_AV_COST_TABLE_OUT=$RES/cost_table_${run}.json \
-  timeout -s INT "$LIMIT" python3 benchmarks/sweep.py run --run-name "$run" --results-root "$RES" \
+# concurrency the sweep uses. 6 GiB of KV cache per server holds 256
+# requests of the sweep (target + draft layers) and lets eight servers
+# share one H200.
+SERVER_ARGS="--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.12 --kv-cache-memory-bytes 6442450944"
+RUN=${RUN_NAME:-h200_sweep}
+sweep() {  # sweep <arms> [extra sweep args]
+  local arms=$1; shift
+  CUDA_VISIBLE_DEVICES=0 VLLM_AV_COST_TABLE_OUT=$RES/cost_table_${RUN}.json \
+  python3 benchmarks/sweep.py run --run-name "$RUN" --results-root "$RES" \
     --target "$TARGET_MODEL" --draft "$DRAFT_MODEL" \
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
-    --concurrency "${CONC:-1,64,256}" --output-len "${OUTPUT_LEN:-192}" \
-    --min-prompts "${MIN_PROMPTS:-8}" --warmup-prompts 8 --health-timeout 400 --parallel-start \
-    --server-args "$SERVER_ARGS" --arms "$arms" "$@" > "$RES/$run.log" 2>&1
-  log "sweep $run exit $?"; tail -25 "$RES/$run.log"
+    --concurrency "${CONC:-1,16,64,256}" --output-len "${OUTPUT_LEN:-256}" \
+    --min-prompts "${MIN_PROMPTS:-8}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
+    --server-args "$SERVER_ARGS" --arms "$arms" "$@" >> "$RES/$RUN.log" 2>&1
+  log "sweep ($arms) exit $?"
 }
 
-if [[ "$PART" == A ]]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  # Lane 0: ours with no speculation and K=3; lane 1: vLLM's AV with no
-  # speculation and K=7. Both lanes carry no speculation, which ties the
-  # two GPUs' numbers together. Three arms per lane: on 2026-11-29 a
-  # server took 130-230 s to start and each bench client ~35 s, so more
-  # do not fit in one call (K=1, 5 and kNv1 arms: ARMS_G0/ARMS_G1 of a
-  # later call).
-  sweep 0 h200_g0 "${ARMS_G0:-ours,nospec,k3}" &
-  P0=$!
-  if [[ $NGPU -gt 1 ]]; then sweep 1 h200_g1 "${ARMS_G1:-vllm_av,nospec,k7}"; fi
-  wait $P0
-else
-  # No speculation is the same server in both families: the ngram report
-  # takes it from part A (lane 0).
-  ( sweep 0 h200_ngram "${ARMS_NGRAM:-ngram_ours,ngram_k3}"
-    if [[ -f scripts/gpu/smoke_mrv2.py ]]; then
-      log "MRV2 smoke"
-      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/gpu/smoke_mrv2.py --impl ours \
-        > "$RES/smoke_mrv2.log" 2>&1
-      log "MRV2 smoke exit $?"; grep -a "RESULT\|Error\|error" "$RES/smoke_mrv2.log" | tail -8
-    fi ) &
-  P0=$!
-  G=1
-  if [[ $NGPU -lt 2 ]]; then G=0; wait $P0; fi   # one GPU: one lane after the other
-  (
-    export CUDA_VISIBLE_DEVICES=$G
-    # Ours against no speculation on one GPU, one after the other (each
-    # breakdown took 130-160 s on 2026-11-29), then the engine tests. The
-    # GPU distribution test (287 s then) only with TESTS_LOSSLESS=1.
-    for arm in ${BREAKDOWN_ARMS:-ours nospec}; do
-      log "step breakdown $arm"
-      timeout 200 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
-        > "$RES/breakdown_$arm.log" 2>&1
-      log "breakdown $arm exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$arm.log"; tail -3 "$RES/breakdown_$arm.log"
-    done
-    log "tests/gpu: engines"
-    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
-    log "tests/gpu av exit $?"; grep -a "PASS\|FAIL\|exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
-    if [[ "${TESTS_LOSSLESS:-0}" == 1 ]]; then
-      log "tests/gpu: distribution"
-      timeout 300 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
-      log "tests/gpu lossless exit $?"; grep -a "PASS\|FAIL\|p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -8
-    fi
-  )
-  wait $P0
-fi
-for d in "$RES"/h200_*/; do
-  [[ -d "$d" ]] && python3 benchmarks/sweep.py report "$d" --no-plots > "$d/report_stdout.md" 2>&1
-done
-kill $PACKER 2>/dev/null
-pack
-log "done: $(ls -la "$OUT")"
+tests_lane() {  # tests_lane <gpu>
+  export CUDA_VISIBLE_DEVICES=$1
+  log "tests/gpu/test_gpu_av.py"
+  timeout 420 python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
+  log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -6
+  log "MRV2 smoke (ours)"
+  timeout 200 python3 scripts/gpu/smoke_mrv2.py --impl ours > "$RES/smoke_mrv2.log" 2>&1
+  log "MRV2 smoke exit $?"; grep -a "RESULT\|Error" "$RES/smoke_mrv2.log" | tail -6
+  log "step breakdown ours"
+  timeout 300 python3 scripts/gpu/step_breakdown.py --arm ours --out "$RES/breakdown_ours.json" \
+    > "$RES/breakdown_ours.log" 2>&1
+  log "breakdown ours exit $?"; grep -a "^\[ours\]" "$RES/breakdown_ours.log" | tail -5
+}
+
+if [[ $NGPU -gt 1 ]]; then tests_lane 1 & TESTS=$!; fi
+sweep "${ARMS:-ours,nospec,nospecv1,vllm_av,k1,k3,ngram_ours,ngram_k3}" --quiet-start vllm_av \
+  --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
+if [[ $NGPU -gt 1 ]]; then wait $TESTS; else tests_lane 0; fi
+sweep "${ARMS2:-k7,k5,ngram_k7}" --quiet-start none
+python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
+log "done"
+touch "$RES/DONE"

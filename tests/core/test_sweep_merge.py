@@ -26,6 +26,9 @@ vllm_av:draft_tokens_verified_total 500.0
 vllm_av:draft_tokens_accepted_total 200.0
 vllm_av:draft_tokens_trimmed_total 200.0
 vllm_av:budget 12.0
+vllm_av:depth_steps_total 50.0
+vllm_av:zero_depth_steps_total 10.0
+vllm_av:draft_depth 7.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
 SCRAPE_AFTER = """\
@@ -37,6 +40,9 @@ vllm_av:draft_tokens_verified_total 1300.0
 vllm_av:draft_tokens_accepted_total 600.0
 vllm_av:draft_tokens_trimmed_total 800.0
 vllm_av:budget 40.0
+vllm_av:depth_steps_total 150.0
+vllm_av:zero_depth_steps_total 70.0
+vllm_av:draft_depth 0.0
 """
 
 
@@ -95,6 +101,9 @@ def test_arms_build_the_documented_speculative_configs():
         "VLLM_AV_IMPL": "off", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert dict(sweep.make_arm("k3", device="cpu").env) == {}
     assert dict(sweep.make_arm("k7v1", device="cpu").env) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    v1_plain = sweep.make_arm("nospecv1")
+    assert v1_plain.speculative_config("D") is None and v1_plain.role == "nospec_v1"
+    assert dict(v1_plain.env) == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_IMPL": "off"}
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("k")
 
@@ -151,6 +160,8 @@ def test_metrics_delta_subtracts_counters_keeps_gauges_and_drops_created():
     assert m["av_drafted"] == 1400 and m["av_trimmed"] == 600
     assert m["av_verified_fraction"] == pytest.approx(800 / 1400)
     assert m["av_budget"] == 40.0
+    # This run's share of depth-0 steps: 60 of its 100 steps.
+    assert m["av_zero_depth_share"] == pytest.approx(0.6)
 
 
 def test_merge_rows_carry_throughput_per_user_speed_and_av_counters(run_dir):

@@ -1,0 +1,143 @@
+"""`vllm serve` with our AV on the GPU: 256 concurrent requests with client
+aborts, bad input, and the adaptive-depth decision in /metrics.
+
+Runs against a live server when VLLM_AV_TEST_SERVER_URL (and
+VLLM_AV_TEST_SERVER_MODEL) name one: the GPU round passes the sweep's own
+`ours` server after its benchmarks (benchmarks/sweep.py --after-arm-cmd), so
+no second start-up is paid. Otherwise it starts one with the real pair
+(TARGET_MODEL / DRAFT_MODEL) and is skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+requests = pytest.importorskip("requests")
+
+URL = os.environ.get("VLLM_AV_TEST_SERVER_URL", "")
+TARGET = os.environ.get("VLLM_AV_TEST_SERVER_MODEL") or os.environ.get("TARGET_MODEL", "")
+DRAFT = os.environ.get("DRAFT_MODEL", "")
+if not URL:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (or VLLM_AV_TEST_SERVER_URL)", allow_module_level=True)
+    if not (os.path.isdir(TARGET) and os.path.isdir(DRAFT)):
+        pytest.skip("needs TARGET_MODEL and DRAFT_MODEL (bf16 folders)", allow_module_level=True)
+
+NUM_REQUESTS, ABORT_EVERY = 256, 5
+PROMPTS = ["def fibonacci(n):", "def is_prime(n):", "class Stack:", "def quicksort(xs):",
+           "Explain what a hash map is.", "Write a haiku about the sea.",
+           "def binary_search(a, x):", "What is the capital of France?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if URL:
+        yield URL, TARGET
+        return
+    port = _free_port()
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 7,
+            "enable_adaptive_verification": True}
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", TARGET,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+           "--max-num-seqs", "256", "--kv-cache-memory-bytes", str(8 << 30),
+           "--speculative-config", json.dumps(spec)]
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline, "server did not start in 600 s"
+            time.sleep(2)
+        yield base, TARGET
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+def test_256_concurrent_requests_with_client_aborts_finish_cleanly(server):
+    base, model = server
+    rng = random.Random(0)
+
+    async def one(session, i):
+        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 64,
+                "temperature": 1.0, "stream": i % 2 == 0}
+        async with session.post(f"{base}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        return i
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
+            tasks = [asyncio.create_task(one(session, i)) for i in range(NUM_REQUESTS)]
+            aborted = set()
+            for i in range(0, NUM_REQUESTS, ABORT_EVERY):
+                await asyncio.sleep(rng.uniform(0.0, 0.05))
+                tasks[i].cancel()
+                aborted.add(i)
+            return aborted, await asyncio.gather(*tasks, return_exceptions=True)
+
+    t0 = time.monotonic()
+    aborted, results = asyncio.run(main())
+    done = 0
+    for i, res in enumerate(results):
+        if i in aborted and isinstance(res, asyncio.CancelledError):
+            continue
+        assert res == i, f"request {i}: {res!r}"
+        done += 1
+    print(f"{done} completed, {NUM_REQUESTS - done} aborted, {time.monotonic() - t0:.1f} s")
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
+    r = requests.post(f"{base}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": PROMPTS[0], "max_tokens": 16})
+    assert r.status_code == 200, r.text
+
+
+def test_bad_request_gets_a_clear_error_and_the_server_keeps_serving(server):
+    base, model = server
+    r = requests.post(f"{base}/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "x", "max_tokens": -5})
+    assert 400 <= r.status_code < 500, r.text
+    r = requests.post(f"{base}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": PROMPTS[1], "max_tokens": 8})
+    assert r.status_code == 200, r.text
+
+
+def test_metrics_show_the_drafting_depth_decision(server):
+    base, _ = server
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_av:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{", 1)[0]] = float(value)
+    print({k: v for k, v in values.items() if "depth" in k})
+    assert "vllm_av:draft_depth" in values
+    steps = values.get("vllm_av:depth_steps_total", 0)
+    assert steps > 0
+    assert 0 <= values.get("vllm_av:zero_depth_steps_total", -1) <= steps
