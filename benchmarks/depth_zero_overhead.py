@@ -1,0 +1,103 @@
+"""What a step costs when our AV drafts nothing, against plain decoding.
+
+One in-process engine per arm on the tiny random pair of the tests
+(tests/vllm/tiny_models.py), Model Runner V1, greedy, every request running
+to --max-tokens: `plain` (no speculation) and `ours_depth0` (our AV with a
+cost table that makes drafting prohibitive, so every step but the periodic
+exploration ones runs at depth 0). Prints ms per step for both and, with
+--profile, the functions of ours' steps with the most cumulative time.
+
+    python benchmarks/depth_zero_overhead.py --out benchmarks/results/depth_zero_overhead_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "vllm"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def prohibitive_drafting_table(path: Path) -> str:
+    from vllm_av.core.cost_model import CostModel
+
+    verify = {1: [1.0], 512: [1.0]}
+    draft = {1: [1e6], 64: [1e6]}
+    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
+    return str(path)
+
+
+def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> dict:
+    from vllm import LLM, SamplingParams
+
+    args = dict(model=str(models.target), dtype="float32", max_model_len=256,
+                max_num_seqs=max(concurrency, 1), seed=0, kv_cache_memory_bytes=256 << 20)
+    if os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1":
+        args["enforce_eager"] = True
+    if spec is not None:
+        args["speculative_config"] = {"model": str(models.draft), **spec}
+    llm = LLM(**args)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(8)]}
+               for i in range(concurrency)]
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    llm.generate(prompts, sp, use_tqdm=False)
+    if prof:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    out = {"concurrency": concurrency, "max_tokens": max_tokens, "wall_s": wall,
+           "ms_per_step": wall * 1000 / max_tokens}
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+        out["profile_top"] = s.getvalue()
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    opts = ap.parse_args()
+    from tiny_models import build_tiny_models
+
+    tmp = Path(tempfile.mkdtemp(prefix="depth0_"))
+    models = build_tiny_models(tmp / "models")
+    os.environ["VLLM_AV_COST_TABLE"] = prohibitive_drafting_table(tmp / "cost.json")
+    os.environ["VLLM_AV_CALIBRATE_COSTS"] = "0"
+    ours = {"method": "draft_model", "num_speculative_tokens": 7,
+            "enable_adaptive_verification": True}
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": os.uname().machine,
+              "cpus": os.cpu_count(), "runs": []}
+    for c in [int(x) for x in opts.concurrency.split(",")]:
+        for arm, spec in (("plain", None), ("ours_depth0", ours)):
+            r = run_arm(models, spec, c, opts.max_tokens, opts.profile and arm != "plain")
+            r["arm"] = arm
+            result["runs"].append(r)
+            print(f"[{arm}] C={c}: {r['ms_per_step']:.2f} ms per step")
+            if "profile_top" in r:
+                print(r["profile_top"])
+    if opts.out:
+        opts.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
