@@ -279,3 +279,52 @@ def test_budget_sizing_reads_the_corrected_table():
         v.observe_verify_time(64, 1.0)    # bucket 6 as profiled
     trimmed = v.admit(ids, feats, drafted, 64, 64).sum()
     assert full == 64 * K and trimmed < full
+
+
+def _best_depth_by_search(v: AdaptiveVerifier, rows, num_sampling, num_other_tokens) -> int:
+    """Reference: the budget search at every depth, shallowest on ties."""
+    from vllm_av.core.budget import best_budget
+
+    R = rows.shape[0]
+    rates = [best_budget(rows[:, :d].ravel(), num_sampling, num_other_tokens, R,
+                         v.cost.at_depth(d, K))[1] for d in range(K + 1)]
+    return int(np.argmax(rates))
+
+
+def test_skipping_depths_that_cannot_pay_keeps_every_decision(monkeypatch):
+    """The depth search skips a depth whose best case (every slot verified
+    and accepted, at the cost of verifying none) cannot beat the best rate
+    so far; on random survival rows and tables, from drafting that always
+    pays to drafting that never does, the chosen depth must equal a search
+    over every depth. Negative control: a bound that forgets the accepted
+    drafts' tokens is too tight, skips depths that pay, and is caught."""
+    import vllm_av.core.verifier as verifier_mod
+
+    good = verifier_mod.depth_rate_bound
+
+    def too_tight(ns, t, r, d, c):
+        return good(ns, t, r, 0, c)
+
+    rng = np.random.default_rng(0)
+    verify = {1: [1.0], 64: [1.5], 512: [4.0], 4096: [20.0]}
+    decisions, caught = [], 0
+    for draft_ms in (0.3, 1.0, 2.0, 3.0, 30.0):
+        v = _verifier(draft_ms, verify=verify,
+                      draft_by_depth={1: {1: [0.3 * draft_ms], 64: [0.5 * draft_ms]},
+                                      K: {1: [draft_ms], 64: [2 * draft_ms]}})
+        v.cost.free_zero_depth = True  # as served when depth 0 skips the drafter
+        v._last_depth = K
+        for _ in range(40):
+            R = int(rng.integers(1, 80))
+            acc = rng.uniform(0.01, 0.95, size=(R, 1))
+            rows = np.cumprod(np.broadcast_to(acc, (R, K)), axis=1)
+            ids = _ids(R)
+            monkeypatch.setattr(v, "stale_scores", lambda req_ids, n, rows=rows: rows.ravel())
+            want = _best_depth_by_search(v, rows, R, R)
+            decisions.append(want)
+            monkeypatch.setattr(verifier_mod, "depth_rate_bound", good)
+            assert v._best_depth(ids, R, R) == want
+            monkeypatch.setattr(verifier_mod, "depth_rate_bound", too_tight)
+            caught += v._best_depth(ids, R, R) != want
+    assert 0 in decisions and max(decisions) > 0  # both regimes covered
+    assert caught > 0  # the check can fail

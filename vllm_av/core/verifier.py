@@ -108,6 +108,15 @@ class _Drafts:
         return torch.stack([self.features[s][r] for s, r in zip(source, row)])
 
 
+def depth_rate_bound(num_sampling: int, num_other_tokens: int, num_reqs: int, depth: int,
+                     cost_d) -> float:
+    """Upper bound on the rate `best_budget` can reach at `depth`: every
+    one of the num_reqs * depth slots verified and accepted, at the cost of
+    verifying none of them (verification cost is monotone in tokens)."""
+    step = float(cost_d.draft_cost(num_reqs)) + float(cost_d.verify_cost(num_other_tokens))
+    return (num_sampling + num_reqs * depth) / max(step, 1e-12)
+
+
 def _grown(a: np.ndarray, capacity: int) -> np.ndarray:
     """`a` with its first axis extended to `capacity` (new rows zero)."""
     out = np.zeros((capacity, *a.shape[1:]), dtype=a.dtype)
@@ -305,9 +314,15 @@ class AdaptiveVerifier:
             rows = self.stale_scores(req_ids, np.full(R, K)).reshape(R, K)
         best_d, best_rate = 0, -1.0
         for d in range(K + 1):
+            cost_d = self.cost.at_depth(d, K)
+            # When even the best case cannot beat the best rate so far,
+            # depth d cannot either (ties go shallower): skip its budget
+            # search. Same decision, less host time where drafting does not pay.
+            if d > 0 and best_rate >= 0 and (
+                    depth_rate_bound(num_sampling, num_other_tokens, R, d, cost_d) <= best_rate):
+                continue
             _, rate = best_budget(
-                rows[:, :d].ravel(), num_sampling, num_other_tokens, R,
-                self.cost.at_depth(d, K),
+                rows[:, :d].ravel(), num_sampling, num_other_tokens, R, cost_d,
             )
             if rate > best_rate:
                 best_d, best_rate = d, rate
