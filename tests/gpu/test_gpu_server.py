@@ -10,19 +10,20 @@ no second start-up is paid. Otherwise it starts one with the real pair
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from client_aborts import completions_with_client_aborts  # noqa: E402
 
 URL = os.environ.get("VLLM_AV_TEST_SERVER_URL", "")
 TARGET = os.environ.get("VLLM_AV_TEST_SERVER_MODEL") or os.environ.get("TARGET_MODEL", "")
@@ -83,34 +84,11 @@ def server(tmp_path_factory):
 
 def test_256_concurrent_requests_with_client_aborts_finish_cleanly(server):
     base, model = server
-    rng = random.Random(0)
-
-    async def one(session, i):
-        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 64,
-                "temperature": 1.0, "stream": i % 2 == 0}
-        async with session.post(f"{base}/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            await r.read()
-        return i
-
-    async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
-            tasks = [asyncio.create_task(one(session, i)) for i in range(NUM_REQUESTS)]
-            aborted = set()
-            for i in range(0, NUM_REQUESTS, ABORT_EVERY):
-                await asyncio.sleep(rng.uniform(0.0, 0.05))
-                tasks[i].cancel()
-                aborted.add(i)
-            return aborted, await asyncio.gather(*tasks, return_exceptions=True)
-
     t0 = time.monotonic()
-    aborted, results = asyncio.run(main())
-    done = 0
-    for i, res in enumerate(results):
-        if i in aborted and isinstance(res, asyncio.CancelledError):
-            continue
-        assert res == i, f"request {i}: {res!r}"
-        done += 1
+    done = completions_with_client_aborts(
+        base, lambda i: {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 64,
+                         "temperature": 1.0, "stream": i % 2 == 0},
+        num_requests=NUM_REQUESTS, abort_every=ABORT_EVERY)
     print(f"{done} completed, {NUM_REQUESTS - done} aborted, {time.monotonic() - t0:.1f} s")
     assert requests.get(f"{base}/health", timeout=10).status_code == 200
     r = requests.post(f"{base}/v1/completions", timeout=60,

@@ -7,7 +7,6 @@ budget binds under load).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import pathlib
@@ -25,6 +24,9 @@ aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
 
 from test_av_engine import steep_cost_table  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from client_aborts import completions_with_client_aborts  # noqa: E402
 
 K = 7
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -173,34 +175,10 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
 
 def test_256_concurrent_requests_with_client_aborts_finish_cleanly(server):
     base, model = server
-    rng = random.Random(0)
-    num_requests, abort_every = 256, 5
-
-    async def one(session, i):
-        body = {"model": model, "prompt": _prompt(100 + i), "max_tokens": 24,
-                "temperature": 1.0, "ignore_eos": True, "stream": i % 2 == 0}
-        async with session.post(f"{base}/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            await r.read()
-        return i
-
-    async def main():
-        timeout = aiohttp.ClientTimeout(total=240)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            tasks = [asyncio.create_task(one(session, i)) for i in range(num_requests)]
-            aborted = set()
-            for i in range(0, num_requests, abort_every):
-                await asyncio.sleep(rng.uniform(0.0, 0.05))
-                tasks[i].cancel()
-                aborted.add(i)
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        return aborted, results
-
-    aborted, results = asyncio.run(main())
-    for i, res in enumerate(results):
-        if i in aborted and isinstance(res, asyncio.CancelledError):
-            continue
-        assert res == i, f"request {i}: {res!r}"
+    completions_with_client_aborts(
+        base, lambda i: {"model": model, "prompt": _prompt(100 + i), "max_tokens": 24,
+                         "temperature": 1.0, "ignore_eos": True, "stream": i % 2 == 0},
+        num_requests=256, abort_every=5)
     # Still healthy and serving, and the load made the budget bind.
     assert requests.get(f"{base}/health", timeout=10).status_code == 200
     r = requests.post(f"{base}/v1/completions", json={
