@@ -682,11 +682,6 @@ def bench_args(opts, server: Server, prompt_file: Path, concurrency: int, num_pr
     return cmd
 
 
-def bench_command(opts, *args, **kwargs) -> list[str]:
-    """`vllm bench serve ...` as a command line (see bench_args)."""
-    return [*opts.vllm_cmd, "bench", "serve", *bench_args(opts, *args, **kwargs)]
-
-
 def _client_env() -> dict:
     # The client's aiohttp session trusts the environment's proxies: keep
     # requests to the local server off them.
