@@ -392,7 +392,9 @@ def ratios(rows: list[dict]) -> dict:
     best fixed-K arm of that family, chosen per metric (the K with the
     highest throughput may not be the K with the highest per-user speed);
     `<ours>/vllm_av`; `<ours>/nospec` (the family's own nospec arm, else the
-    draft family's: no speculation is the same server either way). `pareto`
+    draft family's: no speculation is the same server either way), and
+    `<ours>/nospecv1` where no speculation also ran on Model Runner V1 (the
+    runner ours uses). `pareto`
     lists the arms on the throughput / per-user-speed frontier.
     """
     out: dict = {}
@@ -410,6 +412,8 @@ def ratios(rows: list[dict]) -> dict:
             nospec = (by_role.get((family, "nospec")) or by_role.get(("draft", "nospec"))
                       or [None])[0]
             vllm_av = (by_role.get((family, "vllm_av")) or [None])[0]
+            nospec_v1 = (by_role.get((family, "nospec_v1")) or by_role.get(("draft", "nospec_v1"))
+                         or [None])[0]
             if fixed:
                 best = {}
                 for m in RATIO_METRICS:
@@ -417,7 +421,8 @@ def ratios(rows: list[dict]) -> dict:
                     top = max(cands, key=lambda r: r[m]) if cands else None
                     best[m] = {"value": _ratio(ours, top, m), "arm": top and top["arm"]}
                 entry[f"{ours['arm']}/best_fixed"] = best
-            for label, other in (("vllm_av", vllm_av), ("nospec", nospec)):
+            for label, other in (("vllm_av", vllm_av), ("nospec", nospec),
+                                 ("nospecv1", nospec_v1)):
                 if other:
                     entry[f"{ours['arm']}/{label}"] = {
                         m: {"value": _ratio(ours, other, m), "arm": other["arm"]}

@@ -201,6 +201,21 @@ def test_ngram_family_compares_within_itself_and_falls_back_to_nospec(tmp_path):
     assert e["ngram_ours/best_fixed"]["tps_user"]["arm"] == "ngram_k7"
     assert e["ngram_ours/nospec"]["output_throughput"]["value"] == pytest.approx(1.3)
     assert "ngram_ours/vllm_av" not in e
+    assert "ngram_ours/nospecv1" not in e  # no V1 baseline ran
+
+
+def test_ours_is_also_compared_with_no_speculation_on_its_own_runner(tmp_path):
+    for arm, thr, tpot in [("nospec", 100, 10), ("nospecv1", 80, 12), ("ours", 90, 11),
+                           ("ngram_ours", 95, 10)]:
+        write(tmp_path, fake_result(arm, 4, thr, tpot))
+    e = sweep.merge(tmp_path, write=False)["ratios"]["t1"]["4"]
+    assert e["ours/nospec"]["output_throughput"]["value"] == pytest.approx(0.9)
+    assert e["ours/nospecv1"]["output_throughput"] == {"value": pytest.approx(90 / 80),
+                                                      "arm": "nospecv1"}
+    # The ngram family borrows the draft family's V1 baseline, as for nospec.
+    assert e["ngram_ours/nospecv1"]["output_throughput"]["value"] == pytest.approx(95 / 80)
+    # nospecv1 is a baseline, not a contender: the frontier is by the numbers.
+    assert e["pareto"] == ["nospec"]
 
 
 def test_parts_merge_and_passes_stay_apart(run_dir):
