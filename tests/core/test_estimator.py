@@ -246,3 +246,45 @@ def test_estimator_runs_on_cuda_tensors():
         est.observe(f.cuda(), a.cuda(), n.cuda())
     assert est.predict(f.cuda()).device.type == "cuda"
     assert math.isfinite(est.slope)
+
+
+def test_prior_survival_is_recomputed_whenever_the_statistics_change():
+    """prior_survival is remembered between steps that change nothing; any
+    observe or refit must show in the next call, exactly as a fresh
+    computation would give it. Negative control: an estimator whose memo
+    is never cleared serves a stale prior and is caught."""
+    from vllm_av.core.estimator import OnlineAcceptanceEstimator
+
+    def drive(est, clear: bool):
+        torch.manual_seed(0)
+        seen = []
+        for step in range(12):
+            seen.append(est.prior_survival(4))
+            f = torch.randn(8, 4)
+            adm = torch.full((8,), 4)
+            acc = torch.randint(0, 5, (8,))
+            if not clear:
+                memo = dict(est._prior_memo)
+            est.observe(f, adm, acc)
+            if not clear:
+                est._prior_memo.update(memo)
+        return seen
+
+    est = OnlineAcceptanceEstimator(4, refit_interval=3)
+    memo = drive(est, clear=True)
+    fresh = []
+    est2 = OnlineAcceptanceEstimator(4, refit_interval=3)
+    torch.manual_seed(0)
+    for step in range(12):
+        est2._prior_memo.clear()
+        fresh.append(est2.prior_survival(4))
+        est2.observe(torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 5, (8,)))
+    for a, b in zip(memo, fresh):
+        assert torch.equal(a, b)
+    assert not torch.equal(memo[0], memo[-1])  # the prior did move
+    stale = drive(OnlineAcceptanceEstimator(4, refit_interval=3), clear=False)
+    assert any(not torch.equal(a, b) for a, b in zip(stale, fresh))
+    # The returned tensor is the caller's: writing to it leaves the memo alone.
+    p = est.prior_survival(4)
+    p.fill_(0.0)
+    assert est.prior_survival(4).sum() > 0

@@ -199,6 +199,9 @@ class OnlineAcceptanceEstimator:
         self._label_n = torch.zeros(K, dtype=torch.float64, device=device)  # [K]
         self._label_acc = torch.zeros(K, dtype=torch.float64, device=device)  # [K]
         self._mean_feature = torch.full((K,), float(prior_mean_feature), device=device)
+        # prior_survival per width, until the statistics change (a step that
+        # drafts nothing reads it and changes nothing).
+        self._prior_memo: dict[int, torch.Tensor] = {}
 
     _STATE = ("_theta", "_hess", "_grad", "_count", "_accepted", "_feat_sum", "_feat_n",
               "_precision", "_label_n", "_label_acc", "_mean_feature")
@@ -212,6 +215,7 @@ class OnlineAcceptanceEstimator:
         """Move coefficients and statistics to `device` (a one-time copy)."""
         for name in self._STATE:
             setattr(self, name, getattr(self, name).to(device))
+        self._prior_memo.clear()
         return self
 
     @property
@@ -264,11 +268,14 @@ class OnlineAcceptanceEstimator:
         On the estimator's device, no sync.
         """
         k = self.num_positions if num_positions is None else num_positions
-        model = self.predict(self._mean_feature[:k].unsqueeze(0))[0].double()  # [k]
-        n = self._label_n[:k] + self._count[1 : k + 1]
-        acc = self._label_acc[:k] + self._accepted[:k]
-        rate = torch.where(n > 0, acc / n.clamp(min=1e-300), model).clamp(0.0, 1.0)
-        return torch.cumprod(rate, dim=-1).float()
+        memo = self._prior_memo.get(k)
+        if memo is None:
+            model = self.predict(self._mean_feature[:k].unsqueeze(0))[0].double()  # [k]
+            n = self._label_n[:k] + self._count[1 : k + 1]
+            acc = self._label_acc[:k] + self._accepted[:k]
+            rate = torch.where(n > 0, acc / n.clamp(min=1e-300), model).clamp(0.0, 1.0)
+            memo = self._prior_memo[k] = torch.cumprod(rate, dim=-1).float()
+        return memo.clone()
 
     # ---------------------------------------------------------------- fitting
     def observe(
@@ -283,6 +290,7 @@ class OnlineAcceptanceEstimator:
         num_admitted: [R] drafts verified per request (the rest were trimmed).
         num_accepted: [R] accepted drafts per request (<= num_admitted).
         """
+        self._prior_memo.clear()
         logits = self._logits(features)  # [R, k]; also moves state if needed
         R, k = logits.shape
         dev = logits.device
@@ -324,6 +332,7 @@ class OnlineAcceptanceEstimator:
     def refit(self) -> None:
         """One Newton step from the window (and running precision), then
         clear the window statistics."""
+        self._prior_memo.clear()
         P = self.num_positions + 1
         eye = torch.eye(P, dtype=torch.float64, device=self.device)
         # count[0] = labelled drafts in this window (a tensor: no host sync).
