@@ -27,25 +27,12 @@ sys.path.insert(0, str(REPO / "tests" / "vllm"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def prohibitive_drafting_table(path: Path) -> str:
-    from vllm_av.core.cost_model import CostModel
-
-    verify = {1: [1.0], 512: [1.0]}
-    draft = {1: [1e6], 64: [1e6]}
-    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
-    return str(path)
-
-
 def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> dict:
-    from vllm import LLM, SamplingParams
+    from conftest import make_llm  # the tests' engine settings (tests/vllm/conftest.py)
+    from vllm import SamplingParams
 
-    args = dict(model=str(models.target), dtype="float32", max_model_len=256,
-                max_num_seqs=max(concurrency, 1), seed=0, kv_cache_memory_bytes=256 << 20)
-    if os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1":
-        args["enforce_eager"] = True
-    if spec is not None:
-        args["speculative_config"] = {"model": str(models.draft), **spec}
-    llm = LLM(**args)
+    llm = make_llm(models, spec=spec, max_num_seqs=max(concurrency, 1),
+                   enforce_eager=os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1")
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(8)]}
                for i in range(concurrency)]
@@ -78,6 +65,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     opts = ap.parse_args()
+    from test_adaptive_depth import prohibitive_drafting_table
     from tiny_models import build_tiny_models
 
     tmp = Path(tempfile.mkdtemp(prefix="depth0_"))

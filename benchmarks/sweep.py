@@ -113,16 +113,17 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         base_env += (("VLLM_AV_IMPL", "off"),)
     if base == "nospec":
         return Arm(name, family, "nospec", 0, base_env)
+    pinned_v1 = tuple(dict(base_env + v1).items())
     if base == "nospecv1":
         # No speculation on Model Runner V1, the runner our AV uses: what
         # depth 0 can at best reach there.
-        return Arm(name, family, "nospec_v1", 0, tuple(dict(base_env + v1).items()))
+        return Arm(name, family, "nospec_v1", 0, pinned_v1)
     if re.fullmatch(r"k\d+", base):
         return Arm(name, family, "fixed", int(base[1:]), base_env)
     if re.fullmatch(r"k\d+v1", base):
         # Fixed K pinned to Model Runner V1, the runner our AV uses: tells
         # the runner's share of a difference from the AV's.
-        return Arm(name, family, "fixed", int(base[1:-2]), tuple(dict(base_env + v1).items()))
+        return Arm(name, family, "fixed", int(base[1:-2]), pinned_v1)
     if base == "ours_v2":
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
@@ -731,11 +732,11 @@ class BenchDriver:
 _DRIVER: BenchDriver | None = None
 
 
-def _driver(opts, run_dir: Path) -> BenchDriver:
+def _driver(opts, log_dir: Path) -> BenchDriver:
     global _DRIVER
     if _DRIVER is None or _DRIVER.proc.poll() is not None:
         py = opts.vllm_cmd[0] if opts.vllm_cmd[1:2] == ["-m"] else sys.executable
-        _DRIVER = BenchDriver(py, run_dir / "logs" / "bench_driver.log")
+        _DRIVER = BenchDriver(py, log_dir / "bench_driver.log")
     return _DRIVER
 
 
@@ -744,7 +745,7 @@ def _bench(opts, server, prompt_file, concurrency, num_prompts, temperature, log
     args = bench_args(opts, server, prompt_file, concurrency, num_prompts, temperature,
                       out_dir, filename, output_len or opts.output_len)
     if opts.bench_client == "driver":
-        rc = _driver(opts, log_path.parent.parent).run(args, log_path)
+        rc = _driver(opts, log_path.parent).run(args, log_path)
     else:
         proc = _spawn([*opts.vllm_cmd, "bench", "serve", *args], log_path, _client_env())
         try:
@@ -879,7 +880,7 @@ def run(opts) -> int:
                     server = Server(opts, arm, log)
                     server.start()
                 elif isinstance(server, Exception):
-                    raise RuntimeError(str(server))
+                    raise server
                 else:
                     _log(f"arm {i}/{len(todo)} {name}: server already up")
                 _clear_failure(run_dir, name, None)

@@ -17,7 +17,8 @@
 #     start-up cost profile; ours self-corrects its profile from timed
 #     steps), then each arm is benched in turn; tests/gpu/test_gpu_server.py
 #     (256 requests with aborts, /metrics) runs against the live `ours` server;
-#  2. scripts/gpu/full_graphs_check.sh (ours and plain V1 under FULL graphs);
+#  2. ours and plain V1 again, served with cudagraph_mode FULL (one graph
+#     family for every batch shape) into h200_full_graphs;
 #     tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs);
 #  3. scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2);
 #  4. the step breakdown of ours (per-phase timings, chosen depths);
@@ -111,7 +112,8 @@ python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md
 # Ours and plain V1 with FULL CUDA graphs for every batch shape: whether
 # depth-0 and trimmed steps then cost what a plain step costs.
 log "full graphs check"
-bash scripts/gpu/full_graphs_check.sh "$ROOT"
+RUN=h200_full_graphs SERVER_ARGS="$SERVER_ARGS --compilation-config '{\"cudagraph_mode\": \"FULL\"}'" \
+  sweep ours,nospecv1 --quiet-start none
 if [[ $NGPU -gt 1 ]]; then wait $TESTS; else tests_lane 0; fi
 sweep "${ARMS2:-k7,k5,ngram_k7}" --quiet-start none
 python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from client_aborts import completions_with_client_aborts  # noqa: E402
+from serving import av_metrics, completions_with_client_aborts, started_server  # noqa: E402
 
 URL = os.environ.get("VLLM_AV_TEST_SERVER_URL", "")
 TARGET = os.environ.get("VLLM_AV_TEST_SERVER_MODEL") or os.environ.get("TARGET_MODEL", "")
@@ -41,45 +39,19 @@ PROMPTS = ["def fibonacci(n):", "def is_prime(n):", "class Stack:", "def quickso
            "def binary_search(a, x):", "What is the capital of France?"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     if URL:
         yield URL, TARGET
         return
-    port = _free_port()
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 7,
             "enable_adaptive_verification": True}
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", TARGET,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-           "--max-num-seqs", "256", "--kv-cache-memory-bytes", str(8 << 30),
-           "--speculative-config", json.dumps(spec)]
+    args = [TARGET, "--max-model-len", "4096", "--max-num-seqs", "256",
+            "--kv-cache-memory-bytes", str(8 << 30), "--speculative-config", json.dumps(spec)]
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.time() < deadline, "server did not start in 600 s"
-            time.sleep(2)
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with started_server(args, env, log_path, timeout_s=600) as base:
         yield base, TARGET
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
 
 
 def test_256_concurrent_requests_with_client_aborts_finish_cleanly(server):
@@ -108,12 +80,7 @@ def test_bad_request_gets_a_clear_error_and_the_server_keeps_serving(server):
 
 def test_metrics_show_the_drafting_depth_decision(server):
     base, _ = server
-    text = requests.get(f"{base}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("vllm_av:") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{", 1)[0]] = float(value)
+    values = av_metrics(requests.get(f"{base}/metrics", timeout=10).text)
     print({k: v for k, v in values.items() if "depth" in k})
     assert "vllm_av:draft_depth" in values
     steps = values.get("vllm_av:depth_steps_total", 0)

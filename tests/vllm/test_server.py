@@ -11,11 +11,7 @@ import json
 import os
 import pathlib
 import random
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,29 +22,17 @@ requests = pytest.importorskip("requests")
 from test_av_engine import steep_cost_table  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from client_aborts import completions_with_client_aborts  # noqa: E402
+from serving import av_metrics, completions_with_client_aborts, started_server  # noqa: E402
 
 K = 7
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 STARTUP_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_command() -> list[str]:
-    exe = pathlib.Path(sys.executable).parent / "vllm"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    port = _free_port()
     env = dict(os.environ)
     env.update(
         VLLM_AV_COST_TABLE=steep_cost_table(tmp / "steep.json"),
@@ -62,45 +46,14 @@ def server(tiny_models, tmp_path_factory):
         "num_speculative_tokens": K,
         "enable_adaptive_verification": True,
     }
-    cmd = _vllm_command() + [
-        "serve", str(tiny_models.target),
-        "--host", "127.0.0.1", "--port", str(port),
+    args = [
+        str(tiny_models.target),
         "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "64",
         "--enforce-eager", "--chat-template", str(tmp / "chat.jinja"),
         "--speculative-config", json.dumps(spec),
     ]
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start in time")
-            time.sleep(1)
+    with started_server(args, env, tmp / "server.log", STARTUP_TIMEOUT_S) as base:
         yield base, str(tiny_models.target)
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _stop(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _prompt(seed: int, n: int = 6) -> str:
@@ -141,12 +94,7 @@ def test_metrics_expose_av_counters(server):
     requests.post(f"{base}/v1/completions", json={
         "model": model, "prompt": _prompt(4), "max_tokens": 24, "ignore_eos": True,
     }, timeout=60)
-    text = requests.get(f"{base}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("vllm_av:") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    values = av_metrics(requests.get(f"{base}/metrics", timeout=10).text)
     for name in ("drafted", "verified", "accepted", "trimmed"):
         assert f"vllm_av:draft_tokens_{name}_total" in values, sorted(values)
     assert values["vllm_av:draft_tokens_drafted_total"] > 0

@@ -193,7 +193,16 @@ class CostModel:
         # measured steps (AdaptiveVerifier.observe_verify_time); empty: the
         # profiled table as it is.
         self.verify_scale: dict[int, float] = {}
-        self._scaled: tuple | None = None  # (scales snapshot, scaled table)
+        self._scaled: np.ndarray | None = None  # scaled verify table, until a scale changes
+
+    def set_verify_scale(self, bucket: int, factor: float) -> None:
+        """The measured correction of token-count bucket floor(log2 n)."""
+        self.verify_scale[int(bucket)] = float(factor)
+        self._scaled = None
+
+    def set_draft_scale(self, depth: int, factor: float) -> None:
+        """The measured correction of drafting at `depth`."""
+        self.draft_scale[int(depth)] = float(factor)
 
     def _draft_scale(self, depth: int) -> float:
         if not self.draft_scale:
@@ -255,19 +264,18 @@ class CostModel:
 
     def _scaled_table(self, stop: int) -> np.ndarray:
         """The profiled table times each size's bucket scale, kept monotone."""
-        key = tuple(sorted(self.verify_scale.items()))
-        if self._scaled is None or self._scaled[0] != key or self._scaled[1].size < stop:
-            size = max(stop, self.verify.table(stop).size)
-            base = self.verify.table(size)
+        if self._scaled is None or self._scaled.size < stop:
+            base = self.verify.table(max(stop, 2 * (0 if self._scaled is None else self._scaled.size)))
+            size = base.size
             buckets = np.floor(np.log2(np.maximum(np.arange(size), 1))).astype(np.int64)
-            known = np.array([b for b, _ in key])
-            vals = np.array([v for _, v in key])
+            known = np.array(list(self.verify_scale))
+            vals = np.array(list(self.verify_scale.values()))
             # Each bucket takes its own scale, or the nearest measured one's.
             nearest = np.abs(buckets[:, None] - known[None, :]).argmin(axis=1)
             table = np.maximum.accumulate(base * vals[nearest])
             table.flags.writeable = False
-            self._scaled = (key, table)
-        return self._scaled[1]
+            self._scaled = table
+        return self._scaled
 
     def draft_cost(self, num_reqs):
         """Drafting cost (ms) of one step for `num_reqs` drafting requests

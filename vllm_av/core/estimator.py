@@ -71,6 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from vllm_av.core.features import FEATURE_CLIP
@@ -202,6 +203,7 @@ class OnlineAcceptanceEstimator:
         # prior_survival per width, until the statistics change (a step that
         # drafts nothing reads it and changes nothing).
         self._prior_memo: dict[int, torch.Tensor] = {}
+        self._prior_host_memo: dict[int, np.ndarray] = {}
 
     _STATE = ("_theta", "_hess", "_grad", "_count", "_accepted", "_feat_sum", "_feat_n",
               "_precision", "_label_n", "_label_acc", "_mean_feature")
@@ -216,6 +218,7 @@ class OnlineAcceptanceEstimator:
         for name in self._STATE:
             setattr(self, name, getattr(self, name).to(device))
         self._prior_memo.clear()
+        self._prior_host_memo.clear()
         return self
 
     @property
@@ -277,6 +280,17 @@ class OnlineAcceptanceEstimator:
             memo = self._prior_memo[k] = torch.cumprod(rate, dim=-1).float()
         return memo.clone()
 
+    def prior_survival_host(self, num_positions: int | None = None) -> np.ndarray:
+        """`prior_survival` as a read-only host array, copied once per change
+        of the statistics (the depth choice reads it every step; steps that
+        draft nothing would otherwise pay a device-to-host copy each)."""
+        k = self.num_positions if num_positions is None else num_positions
+        host = self._prior_host_memo.get(k)
+        if host is None:
+            host = self._prior_host_memo[k] = self.prior_survival(k).cpu().numpy()
+            host.flags.writeable = False
+        return host
+
     # ---------------------------------------------------------------- fitting
     def observe(
         self,
@@ -291,6 +305,7 @@ class OnlineAcceptanceEstimator:
         num_accepted: [R] accepted drafts per request (<= num_admitted).
         """
         self._prior_memo.clear()
+        self._prior_host_memo.clear()
         logits = self._logits(features)  # [R, k]; also moves state if needed
         R, k = logits.shape
         dev = logits.device
@@ -333,6 +348,7 @@ class OnlineAcceptanceEstimator:
         """One Newton step from the window (and running precision), then
         clear the window statistics."""
         self._prior_memo.clear()
+        self._prior_host_memo.clear()
         P = self.num_positions + 1
         eye = torch.eye(P, dtype=torch.float64, device=self.device)
         # count[0] = labelled drafts in this window (a tensor: no host sync).

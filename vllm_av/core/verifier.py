@@ -158,13 +158,13 @@ CALIBRATION_CLIP = (0.05, 100.0)
 UNDRAFTED_FEATURE = 2.0
 
 
-def _update_scale(log_scales: dict, scales: dict, key: int, ratio: float) -> None:
+def _update_scale(log_scales: dict, key: int, ratio: float) -> float:
     """Fold one measured / predicted ratio into the running (log-space,
-    exponentially weighted) correction at `key`."""
+    exponentially weighted) correction at `key`; returns the correction."""
     x = float(np.log(np.clip(ratio, *CALIBRATION_CLIP)))
     prev = log_scales.get(key)
     log_scales[key] = x if prev is None else (1 - CALIBRATION_WEIGHT) * prev + CALIBRATION_WEIGHT * x
-    scales[key] = float(np.exp(log_scales[key]))
+    return float(np.exp(log_scales[key]))
 
 
 class AdaptiveVerifier:
@@ -240,16 +240,20 @@ class AdaptiveVerifier:
         nothing every row is a step older, so we take the estimator's prior
         (its population average) for all, or one bad step would freeze the
         depth at 0 (no drafts, no new rows, no learning). Every
-        max(EXPLORE_MIN_INTERVAL, R // 2) steps the depth is K (exploration;
-        the budget still decides what is verified). Takes no features: d
-        never depends on this step's drafts.
+        max(EXPLORE_MIN_INTERVAL, R // 2) steps, or more where full depth is
+        dear (`_explore_interval`), the depth is K (exploration; the budget
+        still decides what is verified). Takes no features: d never depends
+        on this step's drafts.
         """
         R = len(req_ids)
         K = self.K
         if R == 0:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
-        if self._since_explore >= self._explore_interval(R, num_other_tokens):
+        # The step-count floor first: the interval's cost lookups only once
+        # it is reached (the interval is never shorter than that floor).
+        if (self._since_explore >= max(EXPLORE_MIN_INTERVAL, R // 2)
+                and self._since_explore >= self._explore_interval(R, num_other_tokens)):
             self._since_explore, d = 0, K
         else:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
@@ -293,7 +297,7 @@ class AdaptiveVerifier:
         if predicted <= 1e-6:
             return
         bucket = int(np.floor(np.log2(num_tokens)))
-        _update_scale(self._verify_log_scale, self.cost.verify_scale, bucket, ms / predicted)
+        self.cost.set_verify_scale(bucket, _update_scale(self._verify_log_scale, bucket, ms / predicted))
 
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,
@@ -303,12 +307,12 @@ class AdaptiveVerifier:
         predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
         if predicted <= 1e-6:
             return  # nothing profiled to correct (model-free drafters)
-        _update_scale(self._draft_log_scale, self.cost.draft_scale, depth, ms / predicted)
+        self.cost.set_draft_scale(depth, _update_scale(self._draft_log_scale, depth, ms / predicted))
 
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K
         if self._last_depth == 0:
-            prior = self.estimator.prior_survival(K).float().cpu().numpy()  # [K]
+            prior = self._prior_host()  # [K]
             rows = np.broadcast_to(prior, (R, K))
         else:
             rows = self.stale_scores(req_ids, np.full(R, K)).reshape(R, K)
@@ -343,11 +347,17 @@ class AdaptiveVerifier:
         width = self._stale_width[slots]  # [m]
         new = slots < 0
         if new.any():
-            prior = self.estimator.prior_survival(self.K).cpu().numpy()  # [K]
+            prior = self._prior_host()  # [K]
             rows[new] = prior
             width[new] = len(prior)
         # Row-major boolean indexing: the rows' prefixes, one after another.
         return rows[np.arange(self.K) < np.minimum(n, width)[:, None]]
+
+    def _prior_host(self) -> np.ndarray:
+        """The estimator's prior survival [K] on the host (copied once per
+        change where the estimator keeps a host copy)."""
+        host = getattr(self.estimator, "prior_survival_host", None)
+        return host(self.K) if host else self.estimator.prior_survival(self.K).cpu().numpy()
 
     def _slots_of(self, req_ids) -> np.ndarray:
         """[R] slot of each request, -1 for a request with no state."""

@@ -220,12 +220,7 @@ def make_policy(name: str, K: int, step_cost: StepCost, belief: CostModel | None
     if name in ("ours", "ours_adaptive_depth"):
         cls = ShippedAV if name == "ours" else AdaptiveDepthAV
         return cls(K, step_cost, belief=belief, calibrate=calibrate)
-    cls = {
-        "reference_av": ReferenceAV,
-        "ours": ShippedAV,
-        "ours_adaptive_depth": AdaptiveDepthAV,
-        "oracle": Oracle,
-    }[name]
+    cls = {"reference_av": ReferenceAV, "oracle": Oracle}[name]
     return cls(K, step_cost)
 
 

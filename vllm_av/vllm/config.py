@@ -27,12 +27,13 @@ ADDITIONAL_CONFIG_KEY = "vllm_av"
 # Our AV inside Model Runner V2 (vllm_av/vllm/mrv2/) is opt-in until it has
 # run on a GPU: without it, V2 with the flag is refused at start-up.
 ENV_MRV2 = "VLLM_AV_MRV2"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
 def mrv2_enabled(env=None) -> bool:
     env = os.environ if env is None else env
-    raw = env.get(ENV_MRV2, "0").strip().lower()
-    return raw in ("1", "true", "yes", "on")
+    return env.get(ENV_MRV2, "0").strip().lower() in _TRUE
 
 
 def selected_impl() -> str:
@@ -47,9 +48,9 @@ def selected_impl() -> str:
 def _parse_bool(raw: str) -> bool:
     """A switch's value; a typo is an error, not a silent "off"."""
     value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in _TRUE:
         return True
-    if value in ("0", "false", "no", "off", ""):
+    if value in _FALSE:
         return False
     raise ValueError(raw)
 

@@ -33,7 +33,7 @@ from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_fea
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth
+from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -208,13 +208,13 @@ class _DraftTimer:
 
     def __enter__(self):
         if self.active:
-            _sync_if_cuda(self.runner)
+            sync_device(getattr(self.runner, "device", None))
             self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if self.active and exc_type is None:
-            _sync_if_cuda(self.runner)
+            sync_device(getattr(self.runner, "device", None))
             self.ms = (time.perf_counter() - self.t0) * 1e3
         return False
 
@@ -232,7 +232,7 @@ class _StepTimer:
         setattr(runner, _STEP_CALLS_ATTR, n)
         mark = None
         if num_tokens > 0 and n % DRAFT_TIMING_INTERVAL == 0:
-            _sync_if_cuda(runner)
+            sync_device(getattr(runner, "device", None))
             mark = (time.perf_counter(), int(num_tokens))
         setattr(runner, cls.ATTR, mark)
 
@@ -242,18 +242,12 @@ class _StepTimer:
         if mark is None:
             return
         setattr(runner, cls.ATTR, None)
-        _sync_if_cuda(runner)
+        sync_device(getattr(runner, "device", None))
         t0, num_tokens = mark
         verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3)
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"
-
-
-def _sync_if_cuda(runner) -> None:
-    device = getattr(runner, "device", None)
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _num_decoding(runner) -> int:

@@ -41,7 +41,8 @@ def _sizes(limit: int) -> list[int]:
     return sizes
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
+    """Wait for `device` when it is a GPU (timings on the host need it)."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -50,10 +51,10 @@ def _time_ms(fn, repeats: int, device) -> list[float]:
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     return samples
 

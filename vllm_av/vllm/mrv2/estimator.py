@@ -99,7 +99,7 @@ class AcceptanceEstimator:
             step = draft_step.reshape(1).long().expand(N)  # [N]
             batch_row = rows
         else:
-            # One pass sampled the whole block: K consecutive rows per request.
+            # Drafted in one pass: row i is request i // K's draft i % K.
             step = draft_step.reshape(-1).long()
             batch_row = torch.div(rows, K, rounding_mode="floor")
         temp = temperature.index_select(0, slot.clamp(max=R - 1))  # [N]

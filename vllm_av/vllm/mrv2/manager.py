@@ -91,6 +91,15 @@ def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
     return async_tensor_h2d(np.ascontiguousarray(values).astype(np.int32), out=out)
 
 
+def _offsets(counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums of `counts` into out[: len + 1] (device, no
+    sync); returns that view."""
+    n = counts.shape[0]
+    out[0] = 0
+    torch.cumsum(counts, dim=0, dtype=out.dtype, out=out[1 : n + 1])
+    return out[: n + 1]
+
+
 def _sync_allowed():
     try:
         from vllm.utils.gpu_sync_debug import gpu_sync_allowed
@@ -98,6 +107,17 @@ def _sync_allowed():
         return gpu_sync_allowed()
     except ImportError:  # pragma: no cover - older vLLM
         return contextlib.nullcontext()
+
+
+def _sizes_above(top: int, max_tokens: int) -> list[int]:
+    """Token counts to profile past the largest captured size `top`: half as
+    much again, then each doubling, all capped at max_tokens (served steps
+    up there run without full graphs, and their cost does not follow from
+    the captured ones)."""
+    if not top:
+        return []
+    doublings = [top << i for i in range(1, max(1, max_tokens // top).bit_length() + 1)]
+    return sorted({min(n, max_tokens) for n in [top + top // 2, *doublings]})
 
 
 class AVManager:
@@ -131,6 +151,7 @@ class AVManager:
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         # Current confidences by request slot (device).
         self._conf = torch.ones(R, K, dtype=torch.float32, device=device)
+        self._conf_rows = torch.ones_like(self._conf)  # by batch row, for the selector
         self._drafted = torch.zeros(R, dtype=torch.int32, device=device)
         self._admitted = torch.zeros(R, dtype=torch.int32, device=device)
         self._non_draft = torch.zeros(R, dtype=torch.int32, device=device)
@@ -154,20 +175,12 @@ class AVManager:
     # ----------------------------------------------------------- profiling
     def batches_to_profile(self, capture_sizes: list[int]):
         """Dummy-run kwargs (num_tokens, context_len) whose step timings
-        become the cost tables: every captured size, then sizes above the
-        largest (1.5x, then doubling up to max_num_batched_tokens)."""
-        self._capture_sizes = sorted(capture_sizes)
-        limit = self._cudagraph_limit = self._capture_sizes[-1] if capture_sizes else 0
-        max_tokens = self.req_states.max_num_batched_tokens
-        sizes = list(self._capture_sizes)
-        if limit:
-            extra = {min(limit + limit // 2, max_tokens)}
-            n = limit
-            while n < max_tokens:
-                n = min(2 * n, max_tokens)
-                extra.add(n)
-            sizes += sorted(extra - set(sizes))
-        for num_tokens in sizes:
+        become the cost tables: every captured size, then a few above the
+        largest (see _sizes_above)."""
+        self._capture_sizes = captured = sorted(capture_sizes)
+        self._cudagraph_limit = top = captured[-1] if captured else 0
+        above = _sizes_above(top, self.req_states.max_num_batched_tokens)
+        for num_tokens in captured + [n for n in above if n not in captured]:
             for _ in range(self.options.profile_repeats):
                 yield {"num_tokens": num_tokens, "context_len": self.options.profile_context_len}
 
@@ -178,8 +191,9 @@ class AVManager:
         draft: dict[int, list[float]] = defaultdict(list)
         for s in samples:
             verify[int(s.num_target_tokens)].append(float(s.forward_ms))
-            # Eager target steps stretch the drafter's timing (the host is
-            # still launching); only graph replays price drafting.
+            # Drafting is priced from full-graph steps only: after a target
+            # step run without graphs, the drafter's measured time includes
+            # waiting for the host to finish launching that step.
             if s.full_cudagraph:
                 draft[int(s.num_reqs)].append(float(s.drafter_ms))
         self.set_cost_curves(sorted(draft.items()), sorted(verify.items()))
@@ -232,19 +246,19 @@ class AVManager:
         """This step's confidences [>= num_reqs, K] by batch row: keep them
         for the next step's selection and start their copy to the host."""
         n = input_batch.num_reqs
-        ready = self._stale_idx ^ 1
-        slot = self._slots[ready]
-        if slot.event is not None:
+        # The copy started one step ago becomes what budgets read; the copy
+        # budgets were reading is free to be overwritten by this step's.
+        landed, out = self._slots[1 - self._stale_idx], self._slots[self._stale_idx]
+        if landed.event is not None:
             with _sync_allowed():
-                slot.event.synchronize()  # last step's copy: long landed
-        self._stale_idx, write = ready, self._stale_idx
-        self._land_stats(slot)
+                landed.event.synchronize()  # started a whole step ago: done
+        self._stale_idx = 1 - self._stale_idx
+        self._land_stats(landed)
 
         self._conf[input_batch.idx_mapping] = confidence_probs[:n].float()
         idx = np.asarray(input_batch.idx_mapping_np[:n], dtype=np.int64)
         self._first_record[idx] = np.minimum(self._first_record[idx], self._record_step)
 
-        out = self._slots[write]
         out.dev[: self.R].copy_(self._conf)
         est = self._estimator()
         if est is not None:
@@ -263,9 +277,6 @@ class AVManager:
             out.host.copy_(out.dev, non_blocking=True)
             out.stats_host.copy_(out.stats_dev, non_blocking=True)
             out.event.record()
-        # The device buffers must outlive the copy on the side stream.
-        out.dev.record_stream(self._copy_stream)
-        out.stats_dev.record_stream(self._copy_stream)
 
     def _estimator(self):
         from vllm_av.vllm.mrv2.estimator import live_estimator
@@ -290,34 +301,34 @@ class AVManager:
         drafts = np.fromiter((len(draft_tokens.get(r, ())) for r in req_ids), dtype=np.int64, count=n)
         drafts = np.minimum(drafts, self.num_speculative_steps)
         non_draft = tokens - drafts
-        slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids),
-                            dtype=np.int64, count=n)
+        slot_of = self.req_states.req_id_to_index
+        slots = np.array([slot_of[r] for r in req_ids], dtype=np.int64)
         stale = self._slots[self._stale_idx]
         conf = stale.np[slots].astype(np.float64)  # [n, K]
         fresh = self._first_record[slots] > stale.step  # no own confidences in this copy
         if fresh.any():
             conf[fresh] = stale.np[self.R]
         scores = survival(conf)[np.arange(self.num_speculative_steps) < drafts[:, None]]
-        num_sampling = int(np.count_nonzero(
-            self.req_states.num_computed_tokens_np[slots] + non_draft
-            >= self.req_states.prefill_len.np[slots]
-        ))
-        # Rejection sampling takes the logits in one chunk (vLLM's sampler
-        # cannot address a compacted layout across chunks).
-        cap = min(int(drafts.sum()), max(0, self._max_total_logits - n * self.num_bonus_tokens))
+        # A request samples this step once its prompt is through after it.
+        done_after = self.req_states.num_computed_tokens_np[slots] + non_draft
+        num_sampling = int((done_after >= self.req_states.prefill_len.np[slots]).sum())
+        num_drafts, num_own = int(drafts.sum()), int(non_draft.sum())
+        # All logits of a step must fit the sampler's single chunk: a
+        # compacted (trimmed) layout cannot be split across chunks.
+        room = self._max_total_logits - n * self.num_bonus_tokens
         budget = size_budget(
-            scores, num_sampling=num_sampling, num_other_tokens=int(non_draft.sum()),
-            num_drafting_reqs=n, cost=self.cost, max_budget=cap,
+            scores, num_sampling=num_sampling, num_other_tokens=num_own,
+            num_drafting_reqs=n, cost=self.cost, max_budget=min(num_drafts, max(0, room)),
         )
         self._batch = ({r: i for i, r in enumerate(req_ids)}, drafts, non_draft, budget)
         st = self.stats
         st.num_steps += 1
-        st.drafted += int(drafts.sum())
+        st.drafted += num_drafts
         st.admitted += budget
-        st.trimmed += int(drafts.sum()) - budget
+        st.trimmed += num_drafts - budget
         st.last_budget = budget
         self._maybe_write_metrics()
-        return int(non_draft.sum()) + budget
+        return num_own + budget
 
     def compact_batch(
         self,
@@ -369,18 +380,17 @@ class AVManager:
             drafted = self._drafted
             drafted.zero_()
             _h2d(drafts, drafted[:n])
-            conf = torch.ones_like(self._conf)
+            conf = self._conf_rows
+            conf.fill_(1.0)
             conf[:n] = self._conf.index_select(0, idx_mapping.long())
             admitted.copy_(self._select(survival(conf), drafted, budget)[:n])
-        nd = _h2d(non_draft, self._non_draft[:n])
-        cu = self._cu_num_logits
-        cu[:1].zero_()
-        torch.cumsum(admitted + self.num_bonus_tokens, dim=0, dtype=cu.dtype, out=cu[1 : n + 1])
-        qsl = self.query_start_loc
-        qsl[:1].zero_()
-        torch.cumsum(admitted + nd, dim=0, dtype=qsl.dtype, out=qsl[1 : n + 1])
-        qsl[n + 1 :].fill_(num_tokens)
-        return cu[: n + 1], qsl, budget
+        own = _h2d(non_draft, self._non_draft[:n])
+        # Logits: each request's admitted drafts plus its bonus token; tokens:
+        # its admitted drafts plus its own; unused request rows end at the total.
+        logits = _offsets(admitted + self.num_bonus_tokens, self._cu_num_logits)
+        _offsets(admitted + own, self.query_start_loc)
+        self.query_start_loc[n + 1 :].fill_(num_tokens)
+        return logits, self.query_start_loc, budget
 
     # ------------------------------------------------------------- metrics
     def _maybe_write_metrics(self) -> None:
