@@ -10,19 +10,17 @@
 # back-to-back `poll` calls keep the machine and bring results back as they
 # land (results.tgz in $OUT, the whole of /tmp/results each time).
 #
-# What it does, in order (one GPU: one after the other; two GPUs: the
-# tests lane runs on the second GPU beside the sweep):
-#  1. the serving sweep (benchmarks/sweep.py): every arm's server starts
+# What it does (two GPUs: two lanes side by side; one GPU: one after the other):
+#  GPU 0: the serving sweep (benchmarks/sweep.py) of ours, no speculation
+#     (V2 and V1), K=3, the ngram arms and vLLM's AV: every server starts
 #     before the first bench (vLLM's AV alone first, on a quiet GPU, for its
 #     start-up cost profile; ours self-corrects its profile from timed
 #     steps), then each arm is benched in turn; tests/gpu/test_gpu_server.py
-#     (256 requests with aborts, /metrics) runs against the live `ours` server;
-#  2. ours and plain V1 again, served with cudagraph_mode FULL (one graph
-#     family for every batch shape) into h200_full_graphs;
-#     tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs);
-#  3. scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2);
-#  4. the step breakdown of ours (per-phase timings, chosen depths);
-#  5. more sweep arms (ARMS2) into the same folder while time is left.
+#     (256 requests with aborts, /metrics) runs against ours' live server;
+#     then ours again with VLLM_AV_VARLEN_FULL_GRAPHS=0 (h200_ours_piecewise).
+#  GPU 1: tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs), the
+#     step breakdown of ours, more fixed-K arms (h200_sweep_b), and
+#     scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2).
 set -uo pipefail
 MODE=${1:-start}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -79,43 +77,65 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 # share one H200.
 SERVER_ARGS="--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.12 --kv-cache-memory-bytes 6442450944"
 RUN=${RUN_NAME:-h200_sweep}
-sweep() {  # sweep <arms> [extra sweep args]
+GPU=0
+sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and the GPU
   local arms=$1; shift
-  CUDA_VISIBLE_DEVICES=0 VLLM_AV_COST_TABLE_OUT=$RES/cost_table_${RUN}.json \
+  CUDA_VISIBLE_DEVICES=$GPU VLLM_AV_COST_TABLE_OUT=$RES/cost_table_${RUN}.json \
   python3 benchmarks/sweep.py run --run-name "$RUN" --results-root "$RES" \
     --target "$TARGET_MODEL" --draft "$DRAFT_MODEL" \
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
-    --concurrency "${CONC:-1,16,64,256}" --output-len "${OUTPUT_LEN:-256}" \
+    --concurrency "${CONC:-1,16,32,64,128,256}" --output-len "${OUTPUT_LEN:-256}" \
     --min-prompts "${MIN_PROMPTS:-8}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
     --server-args "$SERVER_ARGS" --arms "$arms" "$@" >> "$RES/$RUN.log" 2>&1
-  log "sweep ($arms) exit $?"
+  log "sweep $RUN ($arms) on GPU $GPU exit $?"
+  python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
 }
 
-tests_lane() {  # tests_lane <gpu>
+engine_tests() {  # engine_tests <gpu>
   export CUDA_VISIBLE_DEVICES=$1
   log "tests/gpu/test_gpu_av.py"
-  timeout 420 python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
-  log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -6
-  log "MRV2 smoke (ours)"
-  timeout 200 python3 scripts/gpu/smoke_mrv2.py --impl ours > "$RES/smoke_mrv2.log" 2>&1
-  log "MRV2 smoke exit $?"; grep -a "RESULT\|Error" "$RES/smoke_mrv2.log" | tail -6
+  timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
+  log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
   log "step breakdown ours"
-  timeout 300 python3 scripts/gpu/step_breakdown.py --arm ours --out "$RES/breakdown_ours.json" \
+  timeout 400 python3 scripts/gpu/step_breakdown.py --arm ours --out "$RES/breakdown_ours.json" \
     > "$RES/breakdown_ours.log" 2>&1
   log "breakdown ours exit $?"; grep -a "^\[ours\]" "$RES/breakdown_ours.log" | tail -5
 }
 
-if [[ $NGPU -gt 1 ]]; then tests_lane 1 & TESTS=$!; fi
-sweep "${ARMS:-ours,nospec,nospecv1,vllm_av,k1,k3,ngram_ours,ngram_k3}" --quiet-start vllm_av \
-  --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
-python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
-# Ours and plain V1 with FULL CUDA graphs for every batch shape: whether
-# depth-0 and trimmed steps then cost what a plain step costs.
-log "full graphs check"
-RUN=h200_full_graphs SERVER_ARGS="$SERVER_ARGS --compilation-config '{\"cudagraph_mode\": \"FULL\"}'" \
-  sweep ours,nospecv1 --quiet-start none
-if [[ $NGPU -gt 1 ]]; then wait $TESTS; else tests_lane 0; fi
-sweep "${ARMS2:-k7,k5,ngram_k7}" --quiet-start none
-python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
+mrv2_smoke() {  # mrv2_smoke <gpu>
+  export CUDA_VISIBLE_DEVICES=$1
+  log "MRV2 smoke (ours)"
+  timeout 300 python3 scripts/gpu/smoke_mrv2.py --impl ours > "$RES/smoke_mrv2.log" 2>&1
+  log "MRV2 smoke exit $?"; grep -a "RESULT\|Error" "$RES/smoke_mrv2.log" | tail -6
+}
+
+# The main sweep, vLLM's AV started alone first (its start-up profile on a
+# quiet GPU), tests/gpu/test_gpu_server.py against ours' live server.
+main_sweep() {
+  sweep "${ARMS:-ours,nospec,nospecv1,k3,ngram_ours,ngram_k3,vllm_av}" --quiet-start vllm_av \
+    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+}
+# Ours with the FULL graphs for any draft length switched off: what they bring.
+piecewise_sweep() {
+  VLLM_AV_VARLEN_FULL_GRAPHS=0 RUN=h200_ours_piecewise sweep ours --quiet-start none
+}
+# More fixed-K arms (own folder, copied into the main one afterwards).
+more_arms() {
+  RUN=h200_sweep_b sweep "${ARMS2:-k1,k5,k7,ngram_k7}" --quiet-start none
+}
+
+if [[ $NGPU -gt 1 ]]; then
+  ( GPU=1; engine_tests 1; more_arms; mrv2_smoke 1 ) &
+  LANE1=$!
+  main_sweep
+  piecewise_sweep
+  wait $LANE1
+else
+  main_sweep
+  engine_tests 0
+  piecewise_sweep
+  more_arms
+  mrv2_smoke 0
+fi
 log "done"
 touch "$RES/DONE"

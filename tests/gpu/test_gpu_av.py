@@ -42,7 +42,7 @@ RUN_ENGINE = textwrap.dedent(
     cfg = json.loads(sys.argv[1])
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
-              max_num_seqs=256,
+              max_num_seqs=256, disable_log_stats=False,
               speculative_config=cfg["spec"])
     prompts = [
         "def fibonacci(n):", "def is_prime(n):", "class Stack:",
@@ -51,12 +51,16 @@ RUN_ENGINE = textwrap.dedent(
     ]
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    counts = {m.name.split("spec_decode_")[1]: m.value for m in llm.get_metrics()
+              if m.name in ("vllm:spec_decode_num_draft_tokens",
+                            "vllm:spec_decode_num_accepted_tokens")}
+    print("COUNTS " + json.dumps(counts))
     print("RESULT " + json.dumps(outs))
     """
 )
 
 
-def run_engine(spec, eager: bool, env_extra: dict) -> list[list[int]]:
+def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
     cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS}
     proc = subprocess.run(
@@ -66,6 +70,10 @@ def run_engine(spec, eager: bool, env_extra: dict) -> list[list[int]]:
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if counts is not None:
+        for l in proc.stdout.splitlines():
+            if l.startswith("COUNTS "):
+                counts.update(json.loads(l[len("COUNTS "):]))
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -101,15 +109,26 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
         run_engine(spec, eager=True, env_extra={"VLLM_AV_IMPL": "vllm"})
 
 
-def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs):
+@pytest.mark.parametrize("adaptive_depth", ["1", "0"], ids=["served", "always_drafts"])
+def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth):
     """The served configuration: default compilation and CUDA graphs, so the
-    varlen steps our admission produces run through vLLM's graphs."""
+    varlen steps our admission produces run through vLLM's graphs (and ours:
+    FULL graphs for any draft length, vllm_av/vllm/mrv1/graphs.py). With
+    adaptive depth off every step drafts K and the budget trims, so trimmed
+    steps are verified for certain; drafted and accepted counts must be > 0
+    there (an engine that never verified a draft would pass the output check
+    trivially)."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
-    ours = run_engine(spec, eager=False, env_extra={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    counts: dict = {}
+    ours = run_engine(spec, eager=False, counts=counts, env_extra={
+        "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth})
     prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
     exact = sum(a == b for a, b in zip(ours, plain_outputs))
-    print(f"graphs: exact matches {exact}/{len(ours)}; mean common prefix "
-          f"{sum(prefix)/len(prefix):.2f}")
+    print(f"graphs (adaptive depth {adaptive_depth}): exact matches {exact}/{len(ours)}; "
+          f"mean common prefix {sum(prefix)/len(prefix):.2f}; spec counts {counts}")
     assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
     assert exact >= len(ours) // 2
+    if adaptive_depth == "0":
+        assert counts.get("num_draft_tokens", 0) > 0
+        assert counts.get("num_accepted_tokens", 0) > 0

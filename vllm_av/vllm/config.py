@@ -91,6 +91,11 @@ class AVOptions:
     # and the rest of the step). Off: plan with the profiled or loaded
     # table exactly as it is (tests that pin a table do).
     calibrate_costs: bool = True
+    # On CUDA (Model Runner V1, FULL_AND_PIECEWISE, an attention backend that
+    # replays any batch in a FULL graph): capture FULL graphs for batches of
+    # any draft length too, so that steps of depth 0 and trimmed steps are
+    # not left to the piecewise graphs (vllm_av/vllm/mrv1/graphs.py).
+    varlen_full_graphs: bool = True
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

@@ -32,6 +32,7 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
+from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
@@ -548,4 +549,5 @@ MRV1_PATCHES = [
     RunnerForgetPatch,
     CPUWorkerStartupPatch,
     GPUWorkerStartupPatch,
+    VarlenFullGraphsPatch,
 ]

@@ -1,0 +1,110 @@
+"""FULL graph keys for batches of any draft length (vllm_av/vllm/mrv1/graphs.py),
+checked against vLLM's own dispatcher: which graph a batch is replayed in."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: E402
+from vllm.config.compilation import CompilationMode  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
+from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher  # noqa: E402
+
+from vllm_av.vllm.config import ADDITIONAL_CONFIG_KEY, AVOptions  # noqa: E402
+from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch, add_varlen_full_keys  # noqa: E402
+
+K = 7
+SIZES = [8, 16, 24, 32, 40, 48, 64]
+MAX_SEQS = 32
+
+
+def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE):
+    cc = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode,
+        cudagraph_capture_sizes=list(SIZES), max_cudagraph_capture_size=SIZES[-1],
+    )
+    cc.set_splitting_ops_for_v1(all2all_backend="", data_parallel_size=1)
+    config = SimpleNamespace(
+        compilation_config=cc, num_speculative_tokens=K, lora_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS),
+    )
+    d = CudagraphDispatcher(config)
+    d.initialize_cudagraph_keys(mode, 1 + K)
+    return d
+
+
+def test_without_the_keys_short_steps_fall_to_piecewise():
+    # The problem the patch exists for (negative control of the next test).
+    d = _dispatcher()
+    assert d.dispatch(1, uniform_decode=False)[0] == CUDAGraphMode.PIECEWISE
+    assert d.dispatch(20, uniform_decode=False)[0] == CUDAGraphMode.PIECEWISE
+
+
+def test_every_batch_up_to_the_largest_capture_size_gets_a_full_graph():
+    d = _dispatcher()
+    uniform_before = {n: d.dispatch(n, uniform_decode=True) for n in (8, 16, 64)}
+    assert add_varlen_full_keys(d, MAX_SEQS) == len(SIZES)
+    for n in range(1, SIZES[-1] + 1):
+        mode, desc = d.dispatch(n, uniform_decode=False)
+        assert mode == CUDAGraphMode.FULL, n
+        assert desc.num_tokens >= n and not desc.uniform
+        # Room for one request per token (a depth-0 step), within max_num_seqs.
+        assert desc.num_reqs == min(desc.num_tokens, MAX_SEQS)
+    # Uniform decode batches keep vLLM's own graphs; above the range, none.
+    for n, before in uniform_before.items():
+        assert d.dispatch(n, uniform_decode=True) == before
+    assert d.dispatch(SIZES[-1] + 1, uniform_decode=False)[0] == CUDAGraphMode.NONE
+    # vLLM's capture loop sees them.
+    full = dict(d.get_capture_descs())[CUDAGraphMode.FULL]
+    assert sum(not k.uniform for k in full) == len(SIZES)
+    assert add_varlen_full_keys(d, MAX_SEQS) == 0  # idempotent
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE])
+def test_other_modes_are_left_alone(mode):
+    d = _dispatcher(mode) if mode != CUDAGraphMode.NONE else _dispatcher()
+    if mode == CUDAGraphMode.NONE:
+        d.cudagraph_mode = mode
+    before = {m: set(k) for m, k in d.cudagraph_keys.items()}
+    assert add_varlen_full_keys(d, MAX_SEQS) == 0
+    assert {m: set(k) for m, k in d.cudagraph_keys.items()} == before
+
+
+def _fake_backend(support):
+    builder = SimpleNamespace(get_cudagraph_support=lambda *a: support)
+    return SimpleNamespace(get_builder_cls=lambda: builder)
+
+
+class _Runner:
+    def __init__(self, options):
+        extra = {} if options is None else {ADDITIONAL_CONFIG_KEY: options.to_dict()}
+        self.vllm_config = SimpleNamespace(
+            additional_config=extra, scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS)
+        )
+        self.cudagraph_dispatcher = _dispatcher()
+        self.original_called = False
+
+    def _orig__check_and_update_cudagraph_mode(self, backends, groups, **kwargs):
+        self.original_called = True
+
+
+@pytest.mark.parametrize(
+    "options, support, expect_keys",
+    [
+        (AVOptions(), AttentionCGSupport.ALWAYS, True),
+        (AVOptions(), AttentionCGSupport.UNIFORM_BATCH, False),  # FA2, FlashInfer-like
+        (AVOptions(varlen_full_graphs=False), AttentionCGSupport.ALWAYS, False),
+        (None, AttentionCGSupport.ALWAYS, False),  # our AV not serving this engine
+    ],
+)
+def test_the_patch_adds_keys_only_where_it_should(options, support, expect_keys):
+    runner = _Runner(options)
+    groups = [SimpleNamespace(kv_cache_spec=None)]
+    VarlenFullGraphsPatch._check_and_update_cudagraph_mode(
+        runner, [[_fake_backend(support)]], groups, is_profiling=False
+    )
+    assert runner.original_called
+    mode, _ = runner.cudagraph_dispatcher.dispatch(3, uniform_decode=False)
+    assert (mode == CUDAGraphMode.FULL) == expect_keys
