@@ -1034,7 +1034,9 @@ def parse_args(argv=None):
                    help="run even if the run dir holds results of other settings")
     r.add_argument("--dry-run", action="store_true", help="print what would run")
     for name, helptext in (("merge", "collect a run dir into summary.json"),
-                           ("report", "merge, print Markdown tables, write report.md + PNGs")):
+                           ("report", "merge, print Markdown tables, write report.md + PNGs"),
+                           ("compact", "drop per-token timings and texts from result JSON "
+                                       "(what the report reads stays)")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("run_dir", type=Path)
         if name == "report":
@@ -1050,6 +1052,28 @@ def parse_args(argv=None):
     return opts
 
 
+# Per-request lists of a `vllm bench serve` result that no report reads and
+# that make up most of its size: inter-token gaps, texts, timestamps.
+BULKY_FIELDS = ("itls", "ttfts", "generated_texts", "start_times", "queue_times", "errors")
+
+
+def compact(run_dir: Path) -> int:
+    """Drop BULKY_FIELDS from every result JSON of `run_dir` (in place); the
+    summary statistics vLLM computed from them stay. Returns bytes saved."""
+    saved = 0
+    for path in sorted(Path(run_dir).glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not any(k in data for k in BULKY_FIELDS):
+            continue
+        before = path.stat().st_size
+        for k in BULKY_FIELDS:
+            data.pop(k, None)
+        data.setdefault("sweep", {})["compacted"] = list(BULKY_FIELDS)
+        path.write_text(json.dumps(data, indent=1))
+        saved += before - path.stat().st_size
+    return saved
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1062,6 +1086,9 @@ def main(argv=None) -> int:
         return 0
     if opts.cmd == "report":
         print(report(opts.run_dir, opts.plots))
+        return 0
+    if opts.cmd == "compact":
+        _log(f"{compact(opts.run_dir) / 1e6:.1f} MB dropped from {opts.run_dir}")
         return 0
     if opts.dry_run:
         return run(opts)

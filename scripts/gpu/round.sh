@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu/round.sh start       # the whole round, detached (returns at once)
 #   bash scripts/gpu/round.sh poll 300    # wait up to 300 s, show progress, copy results to $OUT
+#   bash scripts/gpu/round.sh focus       # the short round (see the end of this file)
+#   EXTRA_GPU=1 bash scripts/gpu/round.sh extra   # a second job beside a running round
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -34,11 +36,14 @@ pack() {
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 }
 
-if [[ "$MODE" == start ]]; then
+if [[ "$MODE" == start || "$MODE" == extra || "$MODE" == focus ]]; then
+  # extra: a second job beside a running round, on GPU $EXTRA_GPU (default
+  # 1): ours swept into h200_ours_full, the engine tests, more arms.
   mkdir -p "$RES"
+  [[ "$MODE" == extra ]] && JOBLOG=$RES/extra.log
   # The device tool refreshes the checkout between calls: run a copy.
-  cp "$0" /tmp/round_job.sh
-  setsid nohup bash /tmp/round_job.sh job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
+  cp "$0" "/tmp/round_$MODE.sh"
+  JOB_KIND=$MODE setsid nohup bash "/tmp/round_$MODE.sh" job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
   sleep 5
   cat "$JOBLOG"
   exit 0
@@ -123,6 +128,30 @@ piecewise_sweep() {
 more_arms() {
   RUN=h200_sweep_b sweep "${ARMS2:-k1,k5,k7,ngram_k7}" --quiet-start none
 }
+
+if [[ "${JOB_KIND:-start}" == focus ]]; then
+  # A short round: ours against no speculation first (GPU 0), the engine
+  # tests and the piecewise control beside it (GPU 1).
+  ( GPU=1; engine_tests 1; piecewise_sweep ) &
+  LANE1=$!
+  sweep "ours,nospec,nospecv1,k3,vllm_av" --quiet-start none \
+    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+  wait $LANE1
+  log "done"
+  touch "$RES/DONE"
+  exit 0
+fi
+
+if [[ "${JOB_KIND:-start}" == extra ]]; then
+  GPU=${EXTRA_GPU:-1}
+  RUN=h200_ours_full sweep ours --quiet-start none \
+    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+  engine_tests "$GPU"
+  more_arms
+  log "extra done"
+  touch "$RES/EXTRA_DONE"
+  exit 0
+fi
 
 if [[ $NGPU -gt 1 ]]; then
   ( GPU=1; engine_tests 1; more_arms; mrv2_smoke 1 ) &

@@ -259,3 +259,20 @@ def test_dry_run_lists_commands_without_starting_servers(tmp_path, capsys):
     assert rc == 0
     assert "--kv-cache-memory-bytes 268435456 --max-model-len 256" in out
     assert '"enable_adaptive_verification": true' in out
+
+
+def test_compact_drops_per_token_lists_but_keeps_every_merged_figure(run_dir):
+    for path in run_dir.glob("*_c*.json"):
+        data = json.loads(path.read_text())
+        data.update(itls=[[0.01] * 50] * 4, generated_texts=["x" * 500] * 4, ttfts=[0.1] * 4,
+                    output_lens=[10, 20, 30, 40], latencies=[1.0, 2.0, 3.0, 4.0])
+        path.write_text(json.dumps(data))
+    before = sweep.merge(run_dir, write=False)["rows"]
+    assert sweep.compact(run_dir) > 0
+    after = sweep.merge(run_dir, write=False)["rows"]
+    assert after == before
+    for path in run_dir.glob("*_c*.json"):
+        data = json.loads(path.read_text())
+        assert not any(k in data for k in sweep.BULKY_FIELDS)
+        assert data["output_lens"] == [10, 20, 30, 40]  # what tps_user_e2e reads stays
+    assert sweep.compact(run_dir) == 0  # nothing left to drop

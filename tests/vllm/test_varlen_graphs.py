@@ -45,7 +45,8 @@ def test_without_the_keys_short_steps_fall_to_piecewise():
 def test_every_batch_up_to_the_largest_capture_size_gets_a_full_graph():
     d = _dispatcher()
     uniform_before = {n: d.dispatch(n, uniform_decode=True) for n in (8, 16, 64)}
-    assert add_varlen_full_keys(d, MAX_SEQS) == len(SIZES)
+    added = add_varlen_full_keys(d, MAX_SEQS)
+    assert [k.num_tokens for k in added] == sorted(SIZES, reverse=True)
     for n in range(1, SIZES[-1] + 1):
         mode, desc = d.dispatch(n, uniform_decode=False)
         assert mode == CUDAGraphMode.FULL, n
@@ -59,7 +60,7 @@ def test_every_batch_up_to_the_largest_capture_size_gets_a_full_graph():
     # vLLM's capture loop sees them.
     full = dict(d.get_capture_descs())[CUDAGraphMode.FULL]
     assert sum(not k.uniform for k in full) == len(SIZES)
-    assert add_varlen_full_keys(d, MAX_SEQS) == 0  # idempotent
+    assert add_varlen_full_keys(d, MAX_SEQS) == []  # idempotent
 
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE])
@@ -68,7 +69,7 @@ def test_other_modes_are_left_alone(mode):
     if mode == CUDAGraphMode.NONE:
         d.cudagraph_mode = mode
     before = {m: set(k) for m, k in d.cudagraph_keys.items()}
-    assert add_varlen_full_keys(d, MAX_SEQS) == 0
+    assert add_varlen_full_keys(d, MAX_SEQS) == []
     assert {m: set(k) for m, k in d.cudagraph_keys.items()} == before
 
 
@@ -78,16 +79,25 @@ def _fake_backend(support):
 
 
 class _Runner:
-    def __init__(self, options):
+    """What the patch reads of vLLM's GPU model runner; vLLM's capture pass
+    is recorded instead of run (it needs a GPU)."""
+
+    def __init__(self, options, support):
         extra = {} if options is None else {ADDITIONAL_CONFIG_KEY: options.to_dict()}
         self.vllm_config = SimpleNamespace(
             additional_config=extra, scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS)
         )
         self.cudagraph_dispatcher = _dispatcher()
-        self.original_called = False
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)])
+        self.attn_groups = [[SimpleNamespace(backend=_fake_backend(support), kv_cache_spec=None)]]
+        self.calls = []
 
-    def _orig__check_and_update_cudagraph_mode(self, backends, groups, **kwargs):
-        self.original_called = True
+    def _orig_capture_model(self):
+        # vLLM's own capture runs first, while the dispatcher still sends
+        # mixed batches to the piecewise graphs (its drafter graphs are
+        # captured in that pass, and its checks require it).
+        self.calls.append(("vllm", self.cudagraph_dispatcher.dispatch(3)[0]))
+        return 7
 
 
 @pytest.mark.parametrize(
@@ -99,12 +109,21 @@ class _Runner:
         (None, AttentionCGSupport.ALWAYS, False),  # our AV not serving this engine
     ],
 )
-def test_the_patch_adds_keys_only_where_it_should(options, support, expect_keys):
-    runner = _Runner(options)
-    groups = [SimpleNamespace(kv_cache_spec=None)]
-    VarlenFullGraphsPatch._check_and_update_cudagraph_mode(
-        runner, [[_fake_backend(support)]], groups, is_profiling=False
+def test_the_patch_captures_after_vllm_and_only_where_it_should(
+    monkeypatch, options, support, expect_keys
+):
+    import vllm_av.vllm.mrv1.graphs as graphs
+
+    runner = _Runner(options, support)
+    monkeypatch.setattr(
+        graphs, "capture_full",
+        lambda r, keys: r.calls.append(("ours", [k.num_tokens for k in keys])),
     )
-    assert runner.original_called
+    assert VarlenFullGraphsPatch.capture_model(runner) == 7
+    assert runner.calls[0] == ("vllm", CUDAGraphMode.PIECEWISE)
     mode, _ = runner.cudagraph_dispatcher.dispatch(3, uniform_decode=False)
     assert (mode == CUDAGraphMode.FULL) == expect_keys
+    if expect_keys:
+        assert runner.calls[1] == ("ours", sorted(SIZES, reverse=True))
+    else:
+        assert len(runner.calls) == 1
