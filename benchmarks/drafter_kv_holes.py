@@ -45,21 +45,14 @@ ARMS = {
 }
 
 
-def cost_table(path: Path) -> str:
-    from vllm_av.core.cost_model import CostModel
-
-    table = CostModel.from_samples({1: [1.0], 512: [1.0]}, {1: [4.0], 64: [4.0]}, graph_sizes=[])
-    path.write_text(table.to_json())
-    return str(path)
-
-
 def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> dict:
     from conftest import av_stats, make_llm, shutdown  # the tests' engine settings
+    from test_adaptive_depth import DEAR_DRAFT_MS, drafting_table
     from vllm import SamplingParams
 
     metrics = tmp / "metrics"
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env, VLLM_AV_COST_TABLE=cost_table(tmp / "cost.json"),
+    os.environ.update(env, VLLM_AV_COST_TABLE=drafting_table(tmp / "cost.json", DEAR_DRAFT_MS),
                       VLLM_AV_CALIBRATE_COSTS="0", VLLM_AV_METRICS_INTERVAL="1",
                       VLLM_AV_METRICS_DIR=str(metrics))
     try:

@@ -22,71 +22,29 @@ NUM_PROMPTS = 16
 MAX_TOKENS = 24
 
 
+def drafting_table(path, draft_ms: float) -> str:
+    """Verification flat at 1 ms; a K-deep drafting step `draft_ms` (the
+    table has no depth resolution, so depth d is charged d/K of it)."""
+    from vllm_av.core.cost_model import CostModel
+
+    verify = {1: [1.0], 512: [1.0]}
+    draft = {1: [draft_ms], 64: [draft_ms]}
+    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
+    return str(path)
+
+
 def prohibitive_drafting_table(path) -> str:
-    from vllm_av.core.cost_model import CostModel
-
-    verify = {1: [1.0], 512: [1.0]}
-    draft = {1: [1e6], 64: [1e6]}
-    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
-    return str(path)
+    return drafting_table(path, 1e6)
 
 
-@pytest.fixture(scope="module")
-def greedy_runs(tiny_models, tmp_path_factory):
-    """Greedy outputs with adaptive depth (and its metrics) and with no speculation."""
+def run_adaptive_depth(tiny_models, tmp, draft_ms: float, max_tokens: int):
+    """Greedy outputs and AV counters of our AV with adaptive depth."""
     from vllm import SamplingParams
 
-    tmp = tmp_path_factory.mktemp("depth")
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     mp = pytest.MonkeyPatch()
     try:
-        mp.setenv("VLLM_AV_COST_TABLE", prohibitive_drafting_table(tmp / "cost.json"))
-        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
-        mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "1")
-        mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
-        mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
-        llm = make_llm(
-            tiny_models,
-            spec={"method": "draft_model", "num_speculative_tokens": K,
-                  "enable_adaptive_verification": True},
-        )
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
-        shutdown(llm)
-    finally:
-        mp.undo()
-    stats = av_stats(tmp / "metrics")
-    llm = make_llm(tiny_models, spec=None)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
-    shutdown(llm)
-    return ours, ref, stats
-
-
-def dear_drafting_table(path) -> str:
-    """Drafting that never pays at the tiny pair's acceptance (about 0.4 at
-    the first position: each depth adds 57% to a step) but is not hopeless,
-    so the exploration rule (EXPLORE_MAX_TIME_SHARE) drafts at full depth
-    every 80 steps or so."""
-    from vllm_av.core.cost_model import CostModel
-
-    verify = {1: [1.0], 512: [1.0]}
-    draft = {1: [4.0], 64: [4.0]}
-    path.write_text(CostModel.from_samples(verify, draft, graph_sizes=[]).to_json())
-    return str(path)
-
-
-EXPLORE_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def explore_run(tiny_models, tmp_path_factory):
-    """Greedy outputs and AV counters under dear but explorable drafting."""
-    from vllm import SamplingParams
-
-    tmp = tmp_path_factory.mktemp("explore")
-    sp = SamplingParams(temperature=0.0, max_tokens=EXPLORE_TOKENS, ignore_eos=True)
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setenv("VLLM_AV_COST_TABLE", dear_drafting_table(tmp / "cost.json"))
+        mp.setenv("VLLM_AV_COST_TABLE", drafting_table(tmp / "cost.json", draft_ms))
         mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
         mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "1")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
@@ -101,6 +59,38 @@ def explore_run(tiny_models, tmp_path_factory):
     finally:
         mp.undo()
     return ours, av_stats(tmp / "metrics")
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(tiny_models, tmp_path_factory):
+    """Greedy outputs with adaptive depth under prohibitive drafting (and its
+    metrics) and with no speculation."""
+    from vllm import SamplingParams
+
+    ours, stats = run_adaptive_depth(
+        tiny_models, tmp_path_factory.mktemp("depth"), 1e6, MAX_TOKENS
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = make_llm(tiny_models, spec=None)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+    shutdown(llm)
+    return ours, ref, stats
+
+
+# Drafting that never pays at the tiny pair's acceptance (about 0.4-0.6 at
+# the first position: each depth adds 57% to a step) but is not hopeless,
+# so the exploration rule (EXPLORE_MAX_TIME_SHARE) drafts at full depth
+# every 80 steps or so.
+DEAR_DRAFT_MS = 4.0
+EXPLORE_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def explore_run(tiny_models, tmp_path_factory):
+    """Greedy outputs and AV counters under dear but explorable drafting."""
+    return run_adaptive_depth(
+        tiny_models, tmp_path_factory.mktemp("explore"), DEAR_DRAFT_MS, EXPLORE_TOKENS
+    )
 
 
 def test_exploration_keeps_drafting_where_depth_zero_is_chosen(explore_run):
