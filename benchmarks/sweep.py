@@ -85,9 +85,11 @@ class Arm:
     role: str
     k: int = 0
     env: tuple[tuple[str, str], ...] = ()
+    # `vllm serve` arguments of this arm alone (after --server-args).
+    args: tuple[str, ...] = ()
 
     def speculative_config(self, draft: str) -> dict | None:
-        if self.role in ("nospec", "nospec_v1"):
+        if self.role.startswith("nospec"):
             return None
         if self.family == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": self.k, **NGRAM_LOOKUP}
@@ -118,6 +120,10 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # No speculation on Model Runner V1, the runner our AV uses: what
         # depth 0 can at best reach there.
         return Arm(name, family, "nospec_v1", 0, pinned_v1)
+    if base == "nospecv1sync":
+        # ... and with synchronous scheduling, as our V1 path serves: tells
+        # the scheduling's share of ours' gap to plain V1.
+        return Arm(name, family, "nospec_v1_sync", 0, pinned_v1, ("--no-async-scheduling",))
     if re.fullmatch(r"k\d+", base):
         return Arm(name, family, "fixed", int(base[1:]), base_env)
     if re.fullmatch(r"k\d+v1", base):
@@ -136,8 +142,8 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         if device == "gpu":
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
-    raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, k<N>, k<N>v1, vllm_av, ours, "
-                     f"ngram_nospec, ngram_k<N>, ngram_ours")
+    raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
+                     f"vllm_av, ours, ngram_nospec, ngram_k<N>, ngram_ours")
 
 
 # ---------------------------------------------------------------- prompts
@@ -415,6 +421,8 @@ def ratios(rows: list[dict]) -> dict:
             vllm_av = (by_role.get((family, "vllm_av")) or [None])[0]
             nospec_v1 = (by_role.get((family, "nospec_v1")) or by_role.get(("draft", "nospec_v1"))
                          or [None])[0]
+            nospec_v1_sync = (by_role.get((family, "nospec_v1_sync"))
+                              or by_role.get(("draft", "nospec_v1_sync")) or [None])[0]
             if fixed:
                 best = {}
                 for m in RATIO_METRICS:
@@ -423,7 +431,7 @@ def ratios(rows: list[dict]) -> dict:
                     best[m] = {"value": _ratio(ours, top, m), "arm": top and top["arm"]}
                 entry[f"{ours['arm']}/best_fixed"] = best
             for label, other in (("vllm_av", vllm_av), ("nospec", nospec),
-                                 ("nospecv1", nospec_v1)):
+                                 ("nospecv1", nospec_v1), ("nospecv1sync", nospec_v1_sync)):
                 if other:
                     entry[f"{ours['arm']}/{label}"] = {
                         m: {"value": _ratio(ours, other, m), "arm": other["arm"]}
@@ -460,7 +468,8 @@ def merge(run_dir: Path, write: bool = True) -> dict:
 
 
 def _order_arms(names) -> list[str]:
-    rank = {a: i for i, a in enumerate(["nospec", "nospecv1", "ngram_nospec"] + DEFAULT_ARMS)}
+    rank = {a: i for i, a in enumerate(["nospec", "nospecv1", "nospecv1sync", "ngram_nospec"]
+                                       + DEFAULT_ARMS)}
     return sorted(set(names), key=lambda a: (rank.get(a, len(rank)), a))
 
 
@@ -625,6 +634,7 @@ class Server:
         cmd = [*self.opts.vllm_cmd, "serve", str(self.opts.target), "--host", "127.0.0.1",
                "--port", str(self.port), *COMMON_SERVER_ARGS,
                *DEVICE_SERVER_ARGS[self.opts.device], *self.opts.server_args]
+        cmd += list(self.arm.args)
         spec = self.arm.speculative_config(str(self.opts.draft))
         if spec is not None:
             cmd += ["--speculative-config", json.dumps(spec)]

@@ -104,6 +104,9 @@ def test_arms_build_the_documented_speculative_configs():
     v1_plain = sweep.make_arm("nospecv1")
     assert v1_plain.speculative_config("D") is None and v1_plain.role == "nospec_v1"
     assert dict(v1_plain.env) == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_IMPL": "off"}
+    v1_sync = sweep.make_arm("nospecv1sync")
+    assert v1_sync.speculative_config("D") is None and v1_sync.role == "nospec_v1_sync"
+    assert v1_sync.args == ("--no-async-scheduling",) and dict(v1_sync.env) == dict(v1_plain.env)
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("k")
 
@@ -216,6 +219,16 @@ def test_ours_is_also_compared_with_no_speculation_on_its_own_runner(tmp_path):
     assert e["ngram_ours/nospecv1"]["output_throughput"]["value"] == pytest.approx(95 / 80)
     # nospecv1 is a baseline, not a contender: the frontier is by the numbers.
     assert e["pareto"] == ["nospec"]
+    assert "ours/nospecv1sync" not in e  # that arm did not run
+
+
+def test_ours_against_plain_v1_with_synchronous_scheduling(tmp_path):
+    for arm, thr, tpot in [("nospecv1", 80, 12), ("nospecv1sync", 60, 15), ("ours", 66, 14)]:
+        write(tmp_path, fake_result(arm, 4, thr, tpot))
+    e = sweep.merge(tmp_path, write=False)["ratios"]["t1"]["4"]
+    assert e["ours/nospecv1sync"]["output_throughput"] == {"value": pytest.approx(1.1),
+                                                          "arm": "nospecv1sync"}
+    assert e["ours/nospecv1"]["output_throughput"]["value"] == pytest.approx(66 / 80)
 
 
 def test_parts_merge_and_passes_stay_apart(run_dir):
@@ -252,13 +265,15 @@ def test_dry_run_lists_commands_without_starting_servers(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
     rc = sweep.main(["run", "--run-name", "x", "--results-root", str(tmp_path),
-                     "--arms", "nospec,ours", "--concurrency", "1", "--prompts", str(prompts),
+                     "--arms", "nospec,ours,nospecv1sync", "--concurrency", "1",
+                     "--prompts", str(prompts),
                      "--target", "/m/t", "--draft", "/m/d", "--device", "cpu", "--dry-run",
                      "--server-args", "--max-model-len 256"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "--kv-cache-memory-bytes 268435456 --max-model-len 256" in out
     assert '"enable_adaptive_verification": true' in out
+    assert "--max-model-len 256 --no-async-scheduling" in out  # the arm's own args last
 
 
 def test_compact_drops_per_token_lists_but_keeps_every_merged_figure(run_dir):
