@@ -127,3 +127,18 @@ def test_the_patch_captures_after_vllm_and_only_where_it_should(
         assert runner.calls[1] == ("ours", sorted(SIZES, reverse=True))
     else:
         assert len(runner.calls) == 1
+
+
+def test_a_failed_capture_leaves_vllm_graphs_in_charge(monkeypatch):
+    import vllm_av.vllm.mrv1.graphs as graphs
+
+    runner = _Runner(AVOptions(), AttentionCGSupport.ALWAYS)
+
+    def broken(r, keys):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "capture_full", broken)
+    assert VarlenFullGraphsPatch.capture_model(runner) == 7
+    mode, _ = runner.cudagraph_dispatcher.dispatch(3, uniform_decode=False)
+    assert mode == CUDAGraphMode.PIECEWISE
+    assert runner.cudagraph_dispatcher.dispatch(16, uniform_decode=True)[0] == CUDAGraphMode.FULL

@@ -129,7 +129,19 @@ class VarlenFullGraphsPatch(VllmPatch):
         )
         if keys:
             t0 = time.perf_counter()
-            capture_full(self, keys)
+            try:
+                capture_full(self, keys)
+            except Exception:
+                # Serve with vLLM's own graphs rather than not at all.
+                from vllm.config import CUDAGraphMode
+
+                self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL].difference_update(keys)
+                logger.warning(
+                    "vllm-av: capturing FULL CUDA graphs for mixed batches failed; "
+                    "shortened steps run piecewise (VLLM_AV_VARLEN_FULL_GRAPHS=0 "
+                    "skips the attempt)", exc_info=True,
+                )
+                return out
             logger.info(
                 "vllm-av: FULL CUDA graphs for steps of any draft length: %d sizes "
                 "captured in %.1f s", len(keys), time.perf_counter() - t0,
