@@ -21,7 +21,8 @@
 #     steps), then each arm is benched in turn; tests/gpu/test_gpu_server.py
 #     (256 requests with aborts, /metrics) runs against ours' live server;
 #     then ours again with VLLM_AV_VARLEN_FULL_GRAPHS=0 (h200_ours_piecewise).
-#  GPU 1: tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs), the
+#  GPU 1: tests/gpu/test_gpu_lossless.py (the T=1 distribution under graphs),
+#     tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs), the
 #     step breakdown of ours, more fixed-K arms (h200_sweep_b), and
 #     scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2).
 set -uo pipefail
@@ -99,6 +100,9 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
 
 engine_tests() {  # engine_tests <gpu>
   export CUDA_VISIBLE_DEVICES=$1
+  log "tests/gpu/test_gpu_lossless.py (T=1 distribution through trimmed steps under CUDA graphs)"
+  timeout 600 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
+  log "tests/gpu lossless exit $?"; grep -a "p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -6
   log "tests/gpu/test_gpu_av.py"
   timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
   log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
