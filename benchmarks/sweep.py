@@ -136,6 +136,12 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
     if base == "ours":
         # Our AV runs on Model Runner V1 (the only runner on CPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1))
+    if base == "ours_async":
+        # ... with async scheduling: depth chosen when scheduled, no trimming
+        # (on the CPU the platform schedules synchronously unless
+        # VLLM_AV_TEST_CPU_ASYNC=1).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1),
+                   ("--async-scheduling",))
     if base == "vllm_av" and family == "draft":
         # vLLM's built-in AV exists on Model Runner V2 only (GPU).
         env = (("VLLM_AV_IMPL", "vllm"),)
@@ -143,7 +149,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"vllm_av, ours, ngram_nospec, ngram_k<N>, ngram_ours")
+                     f"vllm_av, ours, ours_async, ngram_nospec, ngram_k<N>, ngram_ours")
 
 
 # ---------------------------------------------------------------- prompts
@@ -414,31 +420,36 @@ def ratios(rows: list[dict]) -> dict:
         for (family, role), ours_rows in sorted(by_role.items(), key=str):
             if role != "ours":
                 continue
-            ours = ours_rows[0]
-            fixed = by_role.get((family, "fixed"), [])
-            nospec = (by_role.get((family, "nospec")) or by_role.get(("draft", "nospec"))
-                      or [None])[0]
-            vllm_av = (by_role.get((family, "vllm_av")) or [None])[0]
-            nospec_v1 = (by_role.get((family, "nospec_v1")) or by_role.get(("draft", "nospec_v1"))
-                         or [None])[0]
-            nospec_v1_sync = (by_role.get((family, "nospec_v1_sync"))
-                              or by_role.get(("draft", "nospec_v1_sync")) or [None])[0]
-            if fixed:
-                best = {}
-                for m in RATIO_METRICS:
-                    cands = [r for r in fixed if r.get(m)]
-                    top = max(cands, key=lambda r: r[m]) if cands else None
-                    best[m] = {"value": _ratio(ours, top, m), "arm": top and top["arm"]}
-                entry[f"{ours['arm']}/best_fixed"] = best
-            for label, other in (("vllm_av", vllm_av), ("nospec", nospec),
-                                 ("nospecv1", nospec_v1), ("nospecv1sync", nospec_v1_sync)):
-                if other:
-                    entry[f"{ours['arm']}/{label}"] = {
-                        m: {"value": _ratio(ours, other, m), "arm": other["arm"]}
-                        for m in RATIO_METRICS}
-            entry[f"{ours['arm']}_on_pareto"] = ours["arm"] in entry["pareto"]
+            for ours in ours_rows:
+                _ratios_of(entry, ours, family, by_role)
         out.setdefault(key[0], {})[str(key[1])] = entry
     return out
+
+
+def _ratios_of(entry: dict, ours: dict, family: str, by_role: dict) -> None:
+    """One ours arm's ratios (see ratios())."""
+    fixed = by_role.get((family, "fixed"), [])
+    nospec = (by_role.get((family, "nospec")) or by_role.get(("draft", "nospec"))
+              or [None])[0]
+    vllm_av = (by_role.get((family, "vllm_av")) or [None])[0]
+    nospec_v1 = (by_role.get((family, "nospec_v1")) or by_role.get(("draft", "nospec_v1"))
+                 or [None])[0]
+    nospec_v1_sync = (by_role.get((family, "nospec_v1_sync"))
+                      or by_role.get(("draft", "nospec_v1_sync")) or [None])[0]
+    if fixed:
+        best = {}
+        for m in RATIO_METRICS:
+            cands = [r for r in fixed if r.get(m)]
+            top = max(cands, key=lambda r: r[m]) if cands else None
+            best[m] = {"value": _ratio(ours, top, m), "arm": top and top["arm"]}
+        entry[f"{ours['arm']}/best_fixed"] = best
+    for label, other in (("vllm_av", vllm_av), ("nospec", nospec),
+                         ("nospecv1", nospec_v1), ("nospecv1sync", nospec_v1_sync)):
+        if other:
+            entry[f"{ours['arm']}/{label}"] = {
+                m: {"value": _ratio(ours, other, m), "arm": other["arm"]}
+                for m in RATIO_METRICS}
+    entry[f"{ours['arm']}_on_pareto"] = ours["arm"] in entry["pareto"]
 
 
 def merge(run_dir: Path, write: bool = True) -> dict:

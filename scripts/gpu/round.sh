@@ -13,7 +13,8 @@
 # land (results.tgz in $OUT, the whole of /tmp/results each time).
 #
 # What it does (two GPUs: two lanes side by side; one GPU: one after the other):
-#  GPU 0: the serving sweep (benchmarks/sweep.py) of ours, no speculation
+#  GPU 0: the serving sweep (benchmarks/sweep.py) of ours (synchronous, and
+#     with --async-scheduling: depth chosen when scheduled), no speculation
 #     (V2, V1, and V1 with synchronous scheduling as ours serves), K=3,
 #     the ngram arms and vLLM's AV: every server starts
 #     before the first bench (vLLM's AV alone first, on a quiet GPU, for its
@@ -122,7 +123,7 @@ mrv2_smoke() {  # mrv2_smoke <gpu>
 # The main sweep, vLLM's AV started alone first (its start-up profile on a
 # quiet GPU), tests/gpu/test_gpu_server.py against ours' live server.
 main_sweep() {
-  sweep "${ARMS:-ours,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" --quiet-start vllm_av \
+  sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" --quiet-start vllm_av \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
@@ -135,12 +136,13 @@ more_arms() {
 }
 
 if [[ "${JOB_KIND:-start}" == focus ]]; then
-  # A short round: ours against no speculation (V2, V1, V1 synchronous), K=3
+  # A short round: ours (both schedulings) against no speculation (V2, V1,
+  # V1 synchronous), K=3
   # and vLLM's AV (GPU 0); the engine tests, then the piecewise control
   # beside it (GPU 1).
   ( GPU=1; engine_tests 1; piecewise_sweep ) &
   LANE1=$!
-  sweep "ours,nospec,nospecv1,nospecv1sync,k3,vllm_av" --quiet-start none \
+  sweep "ours,ours_async,nospec,nospecv1,nospecv1sync,k3,vllm_av" --quiet-start none \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
   wait $LANE1
   log "done"

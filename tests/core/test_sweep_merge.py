@@ -107,6 +107,9 @@ def test_arms_build_the_documented_speculative_configs():
     v1_sync = sweep.make_arm("nospecv1sync")
     assert v1_sync.speculative_config("D") is None and v1_sync.role == "nospec_v1_sync"
     assert v1_sync.args == ("--no-async-scheduling",) and dict(v1_sync.env) == dict(v1_plain.env)
+    ours_async = sweep.make_arm("ours_async")
+    assert ours_async.role == "ours" and ours_async.args == ("--async-scheduling",)
+    assert ours_async.speculative_config("D") == ours.speculative_config("D")
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("k")
 
@@ -220,6 +223,15 @@ def test_ours_is_also_compared_with_no_speculation_on_its_own_runner(tmp_path):
     # nospecv1 is a baseline, not a contender: the frontier is by the numbers.
     assert e["pareto"] == ["nospec"]
     assert "ours/nospecv1sync" not in e  # that arm did not run
+
+
+def test_every_ours_arm_gets_its_ratios(tmp_path):
+    for arm, thr, tpot in [("nospecv1", 80, 12), ("ours", 60, 15), ("ours_async", 88, 11)]:
+        write(tmp_path, fake_result(arm, 4, thr, tpot))
+    e = sweep.merge(tmp_path, write=False)["ratios"]["t1"]["4"]
+    assert e["ours/nospecv1"]["output_throughput"]["value"] == pytest.approx(60 / 80)
+    assert e["ours_async/nospecv1"]["output_throughput"]["value"] == pytest.approx(88 / 80)
+    assert e["ours_async_on_pareto"] and not e["ours_on_pareto"]
 
 
 def test_ours_against_plain_v1_with_synchronous_scheduling(tmp_path):

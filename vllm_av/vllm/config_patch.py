@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 
+from dataclasses import replace
+
 from vllm_av.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     ENV_IMPL,
     ENV_MRV2,
+    ENV_TEST_CPU_ASYNC,
     AVOptions,
     mrv2_enabled,
 )
@@ -46,26 +49,53 @@ def check_supported(vllm_config) -> None:
             "vllm-av: adaptive verification is not supported with LoRA; "
             "remove --enable-lora or enable_adaptive_verification"
         )
-    sched = vllm_config.scheduler_config
-    from vllm.platforms import current_platform
-
-    # The CPU platform turns async scheduling off whatever the user asked
-    # (vllm/platforms/cpu.py, 0.32.0), so there it is not an error.
-    if sched.async_scheduling and not current_platform.is_cpu():
-        raise ValueError(
-            "vllm-av: adaptive verification on Model Runner V1 trims drafts "
-            "before they are scheduled, which async scheduling does not allow; "
-            "pass --no-async-scheduling"
-        )
-    # Left unset, vLLM would turn async scheduling on for GPU draft models;
-    # our V1 path hands trimmed drafts to the scheduler, which needs the
-    # synchronous schedule.
-    sched.async_scheduling = False
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError(
             "vllm-av: adaptive verification is not supported with pipeline "
             "parallelism; set --pipeline-parallel-size 1"
         )
+
+
+# Drafters whose drafts stay on the device under async scheduling (vLLM's
+# tensor path), the ones our scheduled-depth mode serves.
+ASYNC_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+
+
+def choose_scheduling(vllm_config, options: AVOptions) -> bool:
+    """Synchronous (False: depth and per-slot trimming after drafting, the
+    default) or scheduled depth (True: the user asked for async
+    scheduling; depth chosen when each step is scheduled, no trimming)."""
+    sched = vllm_config.scheduler_config
+    from vllm.platforms import current_platform
+
+    # The CPU platform turns async scheduling off whatever the user asked
+    # (vllm/platforms/cpu.py, 0.32.0), so there a request for it changes
+    # nothing, unless the test switch lifts that override.
+    asked = bool(sched.async_scheduling) and (
+        not current_platform.is_cpu() or test_cpu_async_enabled()
+    )
+    if asked:
+        method = vllm_config.speculative_config.method
+        if method not in ASYNC_METHODS or not options.adaptive_depth:
+            raise ValueError(
+                "vllm-av: with async scheduling our AV chooses the drafting depth "
+                f"when each step is scheduled, which needs adaptive depth and one of "
+                f"{', '.join(ASYNC_METHODS)} (got method={method!r}, "
+                f"VLLM_AV_ADAPTIVE_DEPTH={int(options.adaptive_depth)}); pass "
+                "--no-async-scheduling for per-slot trimming instead"
+            )
+        return True
+    # Left unset, vLLM would turn async scheduling on for GPU draft models;
+    # our default V1 path hands trimmed drafts to the scheduler, which needs
+    # the synchronous schedule.
+    sched.async_scheduling = False
+    return False
+
+
+def test_cpu_async_enabled() -> bool:
+    import os
+
+    return os.environ.get(ENV_TEST_CPU_ASYNC, "0") == "1"
 
 
 def mrv2_available() -> bool:
@@ -132,6 +162,8 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
             if not self.use_v2_model_runner:
                 check_supported(self)
                 options = AVOptions.from_env().with_metrics_dir()
+                if choose_scheduling(self, options):
+                    options = replace(options, scheduled_depth=True)
                 register_collector(options.metrics_dir)
                 if not isinstance(self.additional_config, dict):
                     raise ValueError(
@@ -148,7 +180,9 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     )
                 logger.info(
                     "vllm-av: adaptive verification on Model Runner V1 "
-                    "(method=%s, K=%d)", spec.method, spec.num_speculative_tokens,
+                    "(method=%s, K=%d, %s)", spec.method, spec.num_speculative_tokens,
+                    "async scheduling: depth chosen when scheduled, no trimming"
+                    if options.scheduled_depth else "synchronous scheduling",
                 )
             elif mrv2_enabled() and mrv2_available():
                 route_mrv2(self)

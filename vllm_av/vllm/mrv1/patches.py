@@ -32,8 +32,10 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
+from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
+from vllm_av.vllm.mrv1.scheduled_depth import ScheduledDepthPatch, register_local_verifier
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
 
@@ -147,9 +149,12 @@ class RunnerAdmitPatch(VllmPatch):
         verifier = verifier_of(self)
         if verifier is None:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        options = getattr(self, _OPTIONS_ATTR, None)
+        if options is not None and options.scheduled_depth:
+            return _propose_scheduled(self, verifier, orig, scheduler_output,
+                                      sampled_token_ids, *args, **kwargs)
         _StepTimer.stop(self, verifier)
         drafter = self.drafter
-        options = getattr(self, _OPTIONS_ATTR, None)
         calibrate = options is None or options.calibrate_costs
         depth = None
         if options is not None and options.adaptive_depth:
@@ -188,6 +193,40 @@ class RunnerAdmitPatch(VllmPatch):
         out = _admit(self, verifier, drafts, recorded, top if lossy else None)
         _maybe_write_metrics(self, verifier)
         return out
+
+
+def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids,
+                       *args, **kwargs):
+    """Scheduled depth (async scheduling): the scheduler chose this step's
+    depth (`num_spec_tokens_to_schedule`) and reserved its slots, so vLLM
+    drafts exactly that (at depth 0 its drafter still runs the forward that
+    keeps its KV cache whole) and every draft is verified. We record the
+    drafts' features for the estimator and hand vLLM's drafts back as they
+    are. No timers: a device synchronize would stall the async pipeline."""
+    drafter = runner.drafter
+    arm = hasattr(drafter, "_sample_draft_tokens")
+    if arm:
+        setattr(drafter, _FEATURES_ATTR, [])
+        setattr(drafter, _TOP_ATTR, None)
+    try:
+        drafts = orig(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
+        recorded = getattr(drafter, _FEATURES_ATTR, None) if arm else None
+    finally:
+        if arm:
+            setattr(drafter, _FEATURES_ATTR, None)
+    if torch.is_tensor(drafts) and drafts.shape[-1] > 0:
+        num_reqs = runner.input_batch.num_reqs
+        discard = runner.discard_request_mask.np[:num_reqs]
+        num_drafted = np.where(discard, 0, drafts.shape[1]).astype(np.int64)
+        if num_drafted.sum() > 0:
+            n = int((num_drafted > 0).sum())
+            verifier.admit(
+                list(runner.input_batch.req_ids),
+                _features(recorded, num_reqs, num_drafted, verifier.K),
+                num_drafted, num_sampling=n, num_other_tokens=n, admit_all=True,
+            )
+    _maybe_write_metrics(runner, verifier)
+    return drafts
 
 
 # Every this many drafting steps, time one (with a device synchronize on
@@ -410,7 +449,9 @@ class RunnerObservePatch(VllmPatch):
         out = type(self)._orig__bookkeeping_sync(self, scheduler_output, *args, **kwargs)
         verifier = verifier_of(self)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if verifier is not None and spec:
+        # Under async scheduling the outcomes are not on the host yet: they
+        # are observed a step later (RunnerForgetPatch).
+        if verifier is not None and spec and not self.use_async_scheduling:
             valid_sampled = out[3]
             req_ids = list(self.input_batch.req_ids)
             num_verified = np.array([len(spec.get(r, ())) for r in req_ids])
@@ -464,15 +505,76 @@ class RunnerForgetPatch(VllmPatch):
 
     def _update_states(self, scheduler_output):
         verifier = verifier_of(self)
-        if verifier is not None:
-            verifier.forget(scheduler_output.finished_req_ids)
-            verifier.forget(scheduler_output.preempted_req_ids or ())
-            if scheduler_output.total_num_scheduled_tokens > 0:
-                verifier.begin_step()
-            options = getattr(self, _OPTIONS_ATTR, None)
-            if options is None or options.calibrate_costs:
-                _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
-        return type(self)._orig__update_states(self, scheduler_output)
+        orig = type(self)._orig__update_states
+        if verifier is None:
+            return orig(self, scheduler_output)
+        if self.use_async_scheduling:
+            return _update_states_async(self, verifier, orig, scheduler_output)
+        verifier.forget(scheduler_output.finished_req_ids)
+        verifier.forget(scheduler_output.preempted_req_ids or ())
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            verifier.begin_step()
+        options = getattr(self, _OPTIONS_ATTR, None)
+        if options is None or options.calibrate_costs:
+            _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
+        return orig(self, scheduler_output)
+
+
+_PENDING_OBSERVE_ATTR = "_vllm_av_pending_observe"
+_PREV_SPEC_ATTR = "_vllm_av_prev_spec"
+
+
+def _update_states_async(runner, verifier, orig, scheduler_output):
+    """Async scheduling: the outcomes of the previous step reach the host
+    only in the correction closure vLLM's `_update_states` returns (run once
+    this step's forward is launched). Observe them there, then mark this
+    step's verified drafts (`begin_step`), before this step drafts."""
+    pending = getattr(runner, _PENDING_OBSERVE_ATTR, None)
+    if pending is not None:  # a closure vLLM never ran (an empty step)
+        pending()
+    prev = getattr(runner, _PREV_SPEC_ATTR, None) or {}
+    setattr(runner, _PREV_SPEC_ATTR, {
+        rid: len(toks) for rid, toks in scheduler_output.scheduled_spec_decode_tokens.items()
+    })
+    gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+    correction = orig(runner, scheduler_output)
+    stepping = scheduler_output.total_num_scheduled_tokens > 0
+
+    def observe_then_begin():
+        setattr(runner, _PENDING_OBSERVE_ATTR, None)
+        if correction is not None:
+            correction()
+        _observe_previous(runner, verifier, scheduler_output, prev, gone)
+        verifier.forget(gone)
+        if stepping:
+            verifier.begin_step()
+
+    setattr(runner, _PENDING_OBSERVE_ATTR, observe_then_begin)
+    if correction is None:
+        observe_then_begin()
+        return None
+    return observe_then_begin
+
+
+def _observe_previous(runner, verifier, scheduler_output, prev: dict, gone: set) -> None:
+    """Accepted counts of the previous step's verified drafts (vLLM's own
+    valid-sampled counts, already on the host once its correction ran)."""
+    if not any(prev.values()):
+        return
+    counts = runner._get_valid_sampled_token_count()
+    index = runner.input_batch.prev_req_id_to_index or {}
+    rows = [(rid, n, index.get(rid)) for rid, n in prev.items() if n > 0]
+    rows = [(rid, n, i) for rid, n, i in rows if i is not None and i < len(counts)]
+    if not rows:
+        return
+    req_ids = [rid for rid, _, _ in rows]
+    num_verified = np.array([n for _, n, _ in rows])
+    num_accepted = np.array([max(min(counts[i] - 1, n), 0) for _, n, i in rows])
+    now = runner.input_batch.req_id_to_index
+    learnable = _learnable(runner, scheduler_output, list(runner.input_batch.req_ids))
+    learn = np.array([rid not in gone and rid in now and bool(learnable[now[rid]])
+                      for rid in req_ids], dtype=bool)
+    verifier.observe(req_ids, num_verified, num_accepted, learn=learn)
 
 
 def _attach_verifier(worker) -> None:
@@ -484,7 +586,10 @@ def _attach_verifier(worker) -> None:
         return
     if options is not None:
         setattr(runner, _OPTIONS_ATTR, options)
-        setattr(runner, _AV_ATTR, build_verifier(runner, options))
+        verifier = build_verifier(runner, options)
+        setattr(runner, _AV_ATTR, verifier)
+        # For the scheduler of this process (scheduled depth, async scheduling).
+        register_local_verifier(verifier)
 
 
 class CPUWorkerStartupPatch(VllmPatch):
@@ -550,4 +655,7 @@ MRV1_PATCHES = [
     CPUWorkerStartupPatch,
     GPUWorkerStartupPatch,
     VarlenFullGraphsPatch,
+    # Async scheduling: the depth is chosen when the step is scheduled.
+    ScheduledDepthPatch,
+    CPUAsyncForTestsPatch,
 ]

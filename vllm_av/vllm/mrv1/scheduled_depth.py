@@ -1,0 +1,96 @@
+"""Drafting depth chosen when a step is scheduled (async scheduling, V1).
+
+With asynchronous scheduling vLLM schedules step t+1 before step t's drafts
+exist: the scheduler reserves placeholder draft slots for every request, as
+many as the `num_spec_tokens_to_schedule` of step t, and the runner drafts
+exactly that many. So the depth must be known at scheduling time, and no
+draft can be trimmed after it is made. vLLM 0.32's dynamic speculative
+decoding already has the seam: each step the scheduler reads the depth
+from `Scheduler.dynamic_sd_lookup[batch size]`. We put an object there that
+asks our verifier (`AdaptiveVerifier.choose_depth`: stale scores and
+profiled costs, never this step's tokens, so lossless). The verifier lives
+on the runner, in the engine-core process under vLLM's single-process
+executor (one GPU, or the CPU backend); `register_local_verifier` makes it
+findable. Under a multi-process executor none is found and the scheduler
+keeps vLLM's full depth (logged once).
+
+Outcomes reach the host a step late under async scheduling: they are read
+where vLLM reads them, in the correction closure its `_update_states`
+returns (see RunnerForgetPatch in patches.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+_LOCAL: dict = {"verifier": None}
+
+
+def register_local_verifier(verifier) -> None:
+    _LOCAL["verifier"] = verifier
+
+
+def local_verifier():
+    return _LOCAL["verifier"]
+
+
+class DepthFromVerifier:
+    """Stands in for vLLM's dynamic-SD lookup table: `[batch size]` gives
+    the drafting depth of the step being scheduled."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.warned = False
+
+    def __getitem__(self, batch_size: int) -> int:
+        K = self.scheduler.num_spec_tokens
+        verifier = local_verifier()
+        if verifier is None:
+            if not self.warned:
+                self.warned = True
+                logger.warning(
+                    "vllm-av: no verifier in the scheduler's process (multi-process "
+                    "executor); drafting K=%d every step", K,
+                )
+            return K
+        decoding = [r for r in self.scheduler.running if not r.is_prefill_chunk]
+        # A request with its own seed is verified in full (as in the
+        # synchronous path), so it is drafted in full too.
+        seeded = any(getattr(r.sampling_params, "seed", None) is not None for r in decoding)
+        n = len(decoding)
+        return verifier.choose_depth(
+            [r.request_id for r in decoding], num_sampling=n, num_other_tokens=n,
+            min_depth=K if seeded else 0,
+        )
+
+
+class ScheduledDepthPatch(VllmPatch):
+    """Choose the drafting depth when the step is scheduled (async scheduling).
+
+    Target: vllm.v1.core.sched.scheduler:Scheduler.__init__
+    Why: under async scheduling the scheduler reserves each step's draft
+        slots before the drafts exist, so a depth chosen by the runner after
+        drafting (our synchronous path) comes too late.
+    How: when our options say `scheduled_depth`, install `DepthFromVerifier`
+        as `dynamic_sd_lookup`, the per-batch-size depth table of vLLM's
+        dynamic speculative decoding, which the scheduler reads every step
+        (and its async scheduler sizes the next step's placeholders from).
+    Upstream: a pluggable per-step depth policy in the V1 scheduler.
+    Remove when: vLLM's V1 scheduler takes a depth policy object.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.core.sched.scheduler:Scheduler"
+    attributes = ("__init__",)
+
+    def __init__(self, *args, **kwargs):
+        type(self)._orig___init__(self, *args, **kwargs)
+        options = av_options_of(self.vllm_config)
+        if options is not None and options.scheduled_depth and self.num_spec_tokens > 0:
+            self.dynamic_sd_lookup = DepthFromVerifier(self)
+            logger.info("vllm-av: drafting depth chosen at scheduling time (async scheduling)")
