@@ -530,8 +530,10 @@ def _update_states_async(runner, verifier, orig, scheduler_output):
     this step's forward is launched). Observe them there, then mark this
     step's verified drafts (`begin_step`), before this step drafts."""
     pending = getattr(runner, _PENDING_OBSERVE_ATTR, None)
-    if pending is not None:  # a closure vLLM never ran (an empty step)
-        pending()
+    if pending is not None:
+        # vLLM never ran last step's closure (a step that launched nothing):
+        # our part still runs, without its outcomes (they were not copied).
+        pending(observe=False)
     prev = getattr(runner, _PREV_SPEC_ATTR, None) or {}
     setattr(runner, _PREV_SPEC_ATTR, {
         rid: len(toks) for rid, toks in scheduler_output.scheduled_spec_decode_tokens.items()
@@ -540,20 +542,24 @@ def _update_states_async(runner, verifier, orig, scheduler_output):
     correction = orig(runner, scheduler_output)
     stepping = scheduler_output.total_num_scheduled_tokens > 0
 
-    def observe_then_begin():
+    def ours(observe: bool = True):
         setattr(runner, _PENDING_OBSERVE_ATTR, None)
-        if correction is not None:
-            correction()
-        _observe_previous(runner, verifier, scheduler_output, prev, gone)
+        if observe:
+            _observe_previous(runner, verifier, scheduler_output, prev, gone)
         verifier.forget(gone)
         if stepping:
             verifier.begin_step()
 
-    setattr(runner, _PENDING_OBSERVE_ATTR, observe_then_begin)
     if correction is None:
-        observe_then_begin()
+        ours()
         return None
-    return observe_then_begin
+    setattr(runner, _PENDING_OBSERVE_ATTR, ours)
+
+    def correction_then_ours():
+        correction()
+        ours()
+
+    return correction_then_ours
 
 
 def _observe_previous(runner, verifier, scheduler_output, prev: dict, gone: set) -> None:
