@@ -202,6 +202,11 @@ class AdaptiveVerifier:
         # `begin_step` says they are being verified.
         self._pending = _Drafts(INITIAL_SLOTS, self.K)
         self._verifying = _Drafts(INITIAL_SLOTS, self.K)
+        # Host copies `admit(admit_all=True)` left on the device (async
+        # scheduling: no host sync at drafting time), written out by
+        # `_materialize`: (slots, rows, width, [2, R, k] tensor, its _Drafts
+        # set, a CUDA event or None).
+        self._deferred: list[tuple] = []
         # Running sum and count of drafted features per position [K]; their
         # mean stands in for the features of slots a shallow step never drafted.
         self._feat_sum: torch.Tensor | None = None
@@ -337,6 +342,8 @@ class AdaptiveVerifier:
         """Scores for the budget: each request's previous-step survival row
         (the estimator's prior for a request seen for the first time), cut
         to the number of slots it drafts this step."""
+        if self._deferred:
+            self._materialize(wait=False)
         num_drafted = np.asarray(num_drafted)
         drafting = num_drafted > 0  # [R]
         n = num_drafted[drafting]  # [m]
@@ -426,16 +433,27 @@ class AdaptiveVerifier:
         admitted = (num_drafted.copy() if admit_all
                     else self.selector(surv, drafted_t, budget).cpu().numpy())  # [R]
 
-        # One copy to the host for both (each .cpu() is a sync on CUDA).
-        surv_np, conf_np = torch.stack([surv.float(), conf.float()]).cpu().numpy()  # [R, k] each
         rows = np.flatnonzero(num_drafted > 0)  # requests that drafted
-        slots = self._assign_slots([req_ids[r] for r in rows])
-        self._stale_rows[slots, :k] = surv_np[rows]
+        ids = [req_ids[r] for r in rows]
+        new = self._slots_of(ids) < 0
+        slots = self._assign_slots(ids)
+        stacked = torch.stack([surv.float(), conf.float()])  # [2, R, k]
+        if admit_all:
+            # Nothing here needs the values now: copy them when they are.
+            # Until then a new request's row is the prior, not whatever
+            # its (reused) slot held.
+            if new.any():
+                self._stale_rows[slots[new], :k] = self._prior_host()[:k]
+            self._defer(slots, rows, k, stacked)
+        else:
+            # One copy to the host for both (each .cpu() is a sync on CUDA).
+            surv_np, conf_np = stacked.cpu().numpy()  # [R, k] each
+            self._stale_rows[slots, :k] = surv_np[rows]
+            self._pending.conf[slots, :k] = conf_np[rows]
         self._stale_width[slots] = k
         if rows.size:
             p = self._pending
             p.live[slots] = True
-            p.conf[slots, :k] = conf_np[rows]
             p.admitted[slots] = admitted[rows]
             p.source[slots] = len(p.features)
             p.row[slots] = rows
@@ -448,6 +466,32 @@ class AdaptiveVerifier:
         s.trimmed += int(num_drafted.sum() - admitted.sum())
         s.last_budget = int(budget)
         return admitted
+
+    def _defer(self, slots: np.ndarray, rows: np.ndarray, k: int, stacked: torch.Tensor) -> None:
+        event = None
+        if stacked.is_cuda:
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            stacked = host
+        self._deferred.append((slots, rows, k, stacked, self._pending, event))
+
+    def _materialize(self, wait: bool = True) -> None:
+        """Write deferred host copies out; with `wait=False` only those whose
+        copy has finished (the rest stay: a staler row meanwhile)."""
+        keep = []
+        for entry in self._deferred:
+            slots, rows, k, stacked, drafts, event = entry
+            if event is not None and not wait and not event.query():
+                keep.append(entry)
+                continue
+            if event is not None:
+                event.synchronize()
+            surv_np, conf_np = stacked.cpu().numpy()
+            self._stale_rows[slots, :k] = surv_np[rows]
+            drafts.conf[slots, :k] = conf_np[rows]
+        self._deferred = keep
 
     def _fill_undrafted(self, features: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
         """Features [R, k] with slots past each row's draft replaced by the
@@ -478,6 +522,8 @@ class AdaptiveVerifier:
         it an engine that drafts before its bookkeeping (vLLM's V1 runner
         with model drafters) would pair this step's outcomes with the
         features of the drafts it has just admitted for the next step."""
+        if self._deferred:
+            self._materialize()
         self._verifying, self._pending = self._pending, self._verifying
         self._pending.clear()
 
@@ -498,6 +544,8 @@ class AdaptiveVerifier:
             (penalties, bad words, allowed tokens, grammars); their outcomes
             are counted but never fitted.
         """
+        if self._deferred:
+            self._materialize()
         slots = self._slots_of(req_ids)  # [R]
         ver = self._verifying
         # Rows whose drafts are being verified; read once (then dropped).
@@ -531,6 +579,8 @@ class AdaptiveVerifier:
 
     def forget(self, req_ids) -> None:
         """Drop the state of finished or preempted requests."""
+        if self._deferred:
+            self._materialize()  # before a slot can be reused
         for rid in req_ids:
             slot = self._slot.pop(rid, None)
             if slot is not None:

@@ -451,7 +451,7 @@ class RunnerObservePatch(VllmPatch):
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Under async scheduling the outcomes are not on the host yet: they
         # are observed a step later (RunnerForgetPatch).
-        if verifier is not None and spec and not self.use_async_scheduling:
+        if verifier is not None and spec and not getattr(self, "use_async_scheduling", False):
             valid_sampled = out[3]
             req_ids = list(self.input_batch.req_ids)
             num_verified = np.array([len(spec.get(r, ())) for r in req_ids])
@@ -508,7 +508,7 @@ class RunnerForgetPatch(VllmPatch):
         orig = type(self)._orig__update_states
         if verifier is None:
             return orig(self, scheduler_output)
-        if self.use_async_scheduling:
+        if getattr(self, "use_async_scheduling", False):
             return _update_states_async(self, verifier, orig, scheduler_output)
         verifier.forget(scheduler_output.finished_req_ids)
         verifier.forget(scheduler_output.preempted_req_ids or ())
