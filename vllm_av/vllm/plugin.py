@@ -10,8 +10,9 @@ applies only the fix that makes CPU speculative decoding lossless.
 from __future__ import annotations
 
 import logging
+import os
 
-from vllm_av.vllm.config import ENV_IMPL, selected_impl
+from vllm_av.vllm.config import ENV_IMPL, ENV_TEST_NO_SAMPLING_FIX, selected_impl
 
 logger = logging.getLogger("vllm.vllm_av")
 
@@ -81,7 +82,15 @@ def register() -> None:
         for patch in patches_for(_device_type(), LOSSLESS_PATCHES):
             apply_patch(patch)
         return
-    for patch in runner_patches(patches_for(_device_type())):
+    patches = runner_patches(patches_for(_device_type()))
+    if os.environ.get(ENV_TEST_NO_SAMPLING_FIX) == "1":
+        from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
+
+        logger.warning("vllm-av: %s=1: the CPU sampling fix is left out; output is "
+                       "NOT the target's distribution (negative control)",
+                       ENV_TEST_NO_SAMPLING_FIX)
+        patches = [p for p in patches if p not in LOSSLESS_PATCHES]
+    for patch in patches:
         apply_patch(patch)
 
 
