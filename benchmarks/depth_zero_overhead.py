@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> dict:
-    from conftest import make_llm  # the tests' engine settings (tests/vllm/conftest.py)
+    from conftest import make_llm, shutdown  # the tests' engine settings (tests/vllm/conftest.py)
     from vllm import SamplingParams
 
     llm = make_llm(models, spec=spec, max_num_seqs=max(concurrency, 1),
@@ -53,8 +53,7 @@ def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> d
         stats.print_stats(40)
         stats.print_stats("vllm_av", 25)  # ours alone
         out["profile_top"] = s.getvalue()
-    llm.llm_engine.engine_core.shutdown()
-    del llm
+    shutdown(llm)
     return out
 
 

@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "vllm"))
@@ -51,11 +52,10 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
     from vllm import SamplingParams
 
     metrics = tmp / "metrics"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env, VLLM_AV_COST_TABLE=drafting_table(tmp / "cost.json", DEAR_DRAFT_MS),
-                      VLLM_AV_CALIBRATE_COSTS="0", VLLM_AV_METRICS_INTERVAL="1",
-                      VLLM_AV_METRICS_DIR=str(metrics))
-    try:
+    arm_env = {**env, "VLLM_AV_COST_TABLE": drafting_table(tmp / "cost.json", DEAR_DRAFT_MS),
+               "VLLM_AV_CALIBRATE_COSTS": "0", "VLLM_AV_METRICS_INTERVAL": "1",
+               "VLLM_AV_METRICS_DIR": str(metrics)}
+    with mock.patch.dict(os.environ, arm_env):
         llm = make_llm(models, spec={"method": "draft_model", "num_speculative_tokens": K,
                                      "enable_adaptive_verification": True})
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -66,9 +66,6 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
         wall = time.perf_counter() - t0
         s = av_stats(metrics)
         shutdown(llm)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     per_pos = [o / l if l else None for o, l in zip(s["observed"], s["labelled"])]
     return {
         "acceptance_of_verified": s["accepted"] / s["verified"] if s["verified"] else None,

@@ -71,12 +71,17 @@ NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # ---------------------------------------------------------------- arms
 
 
+# Every Arm.role make_arm gives (what --quiet-start and the ratios speak of).
+ROLES = ("nospec", "nospec_v1", "nospec_v1_sync", "fixed", "vllm_av", "ours")
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One server configuration.
 
-    family: "draft" (draft_model) or "ngram"; role: "nospec", "fixed",
-    "vllm_av" (vLLM's built-in AV) or "ours". Ratios compare roles within a
+    family: "draft" (draft_model) or "ngram"; role: one of ROLES ("nospec",
+    no speculation on V1 with async or synchronous scheduling, "fixed",
+    "vllm_av" for vLLM's built-in AV, "ours"). Ratios compare roles within a
     family (see ratios()).
     """
 
@@ -428,14 +433,15 @@ def ratios(rows: list[dict]) -> dict:
 
 def _ratios_of(entry: dict, ours: dict, family: str, by_role: dict) -> None:
     """One ours arm's ratios (see ratios())."""
+    def pick(role: str, fall_back: bool = True):
+        # This family's arm of that role, else (no speculation is the same
+        # server either way) the draft family's.
+        rows = by_role.get((family, role)) or (by_role.get(("draft", role)) if fall_back else None)
+        return rows[0] if rows else None
+
     fixed = by_role.get((family, "fixed"), [])
-    nospec = (by_role.get((family, "nospec")) or by_role.get(("draft", "nospec"))
-              or [None])[0]
-    vllm_av = (by_role.get((family, "vllm_av")) or [None])[0]
-    nospec_v1 = (by_role.get((family, "nospec_v1")) or by_role.get(("draft", "nospec_v1"))
-                 or [None])[0]
-    nospec_v1_sync = (by_role.get((family, "nospec_v1_sync"))
-                      or by_role.get(("draft", "nospec_v1_sync")) or [None])[0]
+    nospec, nospec_v1, nospec_v1_sync = pick("nospec"), pick("nospec_v1"), pick("nospec_v1_sync")
+    vllm_av = pick("vllm_av", fall_back=False)
     if fixed:
         best = {}
         for m in RATIO_METRICS:
@@ -652,7 +658,12 @@ class Server:
         return cmd
 
     def env(self) -> dict:
-        return {**os.environ, **dict(self.arm.env)}
+        env = {**os.environ, **dict(self.arm.env)}
+        out = env.get("VLLM_AV_COST_TABLE_OUT")
+        if out:  # one cost table per arm, not the last arm's over the others
+            path = Path(out)
+            env["VLLM_AV_COST_TABLE_OUT"] = str(path.with_name(f"{path.stem}_{self.arm.name}{path.suffix}"))
+        return env
 
     def spawn(self) -> None:
         self.t_spawn = time.monotonic()
@@ -1070,6 +1081,10 @@ def parse_args(argv=None):
             opts.run_name = f"{opts.device}-{opts.target.name}-{opts.backend}-o{opts.output_len}"
         for a in opts.arms:
             make_arm(a)  # fail on a typo before any server starts
+        unknown = set(opts.quiet_start) - set(ROLES) - {"none"}
+        if unknown:
+            p.error(f"--quiet-start: unknown role(s) {sorted(unknown)}; roles are "
+                    f"{', '.join(ROLES)} (or none)")
     return opts
 
 

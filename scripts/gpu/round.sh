@@ -4,8 +4,7 @@
 #
 #   bash scripts/gpu/round.sh start       # the whole round, detached (returns at once)
 #   bash scripts/gpu/round.sh poll 300    # wait up to 300 s, show progress, copy results to $OUT
-#   bash scripts/gpu/round.sh focus       # the short round (see the end of this file)
-#   EXTRA_GPU=1 bash scripts/gpu/round.sh extra   # a second job beside a running round
+#   bash scripts/gpu/round.sh focus       # the short round, detached (see `focus` below)
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -24,8 +23,8 @@
 #     then ours again with VLLM_AV_VARLEN_FULL_GRAPHS=0 (h200_ours_piecewise).
 #  GPU 1: tests/gpu/test_gpu_lossless.py (the T=1 distribution under graphs),
 #     tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs), the
-#     step breakdown of ours, more fixed-K arms (h200_sweep_b), and
-#     scripts/gpu/smoke_mrv2.py --impl ours (our AV on Model Runner V2).
+#     step breakdown of ours, more fixed-K arms (h200_sweep_b: compare them
+#     within their own lane), and scripts/gpu/smoke_mrv2.py --impl ours.
 set -uo pipefail
 MODE=${1:-start}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -39,18 +38,18 @@ pack() {
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 }
 
-if [[ "$MODE" == start || "$MODE" == extra || "$MODE" == focus ]]; then
-  # extra: a second job beside a running round, on GPU $EXTRA_GPU (default
-  # 1): ours swept into h200_ours_full, the engine tests, more arms.
-  mkdir -p "$RES"
-  [[ "$MODE" == extra ]] && JOBLOG=$RES/extra.log
-  # The device tool refreshes the checkout between calls: run a copy.
-  cp "$0" "/tmp/round_$MODE.sh"
-  JOB_KIND=$MODE setsid nohup bash "/tmp/round_$MODE.sh" job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
-  sleep 5
-  cat "$JOBLOG"
-  exit 0
-fi
+case "$MODE" in
+  start|focus)
+    mkdir -p "$RES"
+    # The device tool refreshes the checkout between calls: run a copy.
+    cp "$0" /tmp/round_job.sh
+    JOB_KIND=$MODE setsid nohup bash /tmp/round_job.sh job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
+    sleep 5
+    cat "$JOBLOG"
+    exit 0 ;;
+  poll|job) ;;
+  *) echo "usage: round.sh start | focus | poll [seconds]" >&2; exit 2 ;;
+esac
 
 if [[ "$MODE" == poll ]]; then
   WAIT=${2:-300}
@@ -81,8 +80,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 # (9100 tokens at the H200 default of 1024 sequences) falls outside the
 # compiled range and kills start-up; 256 keeps it inside and is the largest
 # concurrency the sweep uses. 6 GiB of KV cache per server holds 256
-# requests of the sweep (target + draft layers) and lets eight servers
-# share one H200.
+# requests of the sweep (target + draft layers) and lets nine servers
+# share one H200 (about 10 GiB each in use).
 SERVER_ARGS="--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.12 --kv-cache-memory-bytes 6442450944"
 RUN=${RUN_NAME:-h200_sweep}
 GPU=0
@@ -120,44 +119,33 @@ mrv2_smoke() {  # mrv2_smoke <gpu>
   log "MRV2 smoke exit $?"; grep -a "RESULT\|Error" "$RES/smoke_mrv2.log" | tail -6
 }
 
-# The main sweep, vLLM's AV started alone first (its start-up profile on a
-# quiet GPU), tests/gpu/test_gpu_server.py against ours' live server.
+# The main sweep (QUIET: vLLM's AV started alone first, its start-up
+# profile on a quiet GPU), tests/gpu/test_gpu_server.py against ours' live
+# server (the sweep's default --after-arm-arms).
 main_sweep() {
-  sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" --quiet-start vllm_av \
-    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+  sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
+    --quiet-start "${QUIET-vllm_av}" \
+    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py"
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
   VLLM_AV_VARLEN_FULL_GRAPHS=0 RUN=h200_ours_piecewise sweep ours --quiet-start none
 }
-# More fixed-K arms (own folder, copied into the main one afterwards).
+# More fixed-K arms, in their own folder.
 more_arms() {
   RUN=h200_sweep_b sweep "${ARMS2:-k1,k5,k7,ngram_k7}" --quiet-start none
 }
 
 if [[ "${JOB_KIND:-start}" == focus ]]; then
-  # A short round: ours (both schedulings) against no speculation (V2, V1,
-  # V1 synchronous), K=3
-  # and vLLM's AV (GPU 0); the engine tests, then the piecewise control
-  # beside it (GPU 1).
+  # The short round: ours (both schedulings) against no speculation (V2,
+  # V1, V1 synchronous), K=3 and vLLM's AV on GPU 0; the engine tests, then
+  # the piecewise control, on GPU 1.
   ( GPU=1; engine_tests 1; piecewise_sweep ) &
   LANE1=$!
-  sweep "ours,ours_async,nospec,nospecv1,nospecv1sync,k3,vllm_av" --quiet-start none \
-    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
+  ARMS=ours,ours_async,nospec,nospecv1,nospecv1sync,k3,vllm_av QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"
-  exit 0
-fi
-
-if [[ "${JOB_KIND:-start}" == extra ]]; then
-  GPU=${EXTRA_GPU:-1}
-  RUN=h200_ours_full sweep ours --quiet-start none \
-    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" --after-arm-arms ours
-  engine_tests "$GPU"
-  more_arms
-  log "extra done"
-  touch "$RES/EXTRA_DONE"
   exit 0
 fi
 

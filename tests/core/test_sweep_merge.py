@@ -303,3 +303,16 @@ def test_compact_drops_per_token_lists_but_keeps_every_merged_figure(run_dir):
         assert not any(k in data for k in sweep.BULKY_FIELDS)
         assert data["output_lens"] == [10, 20, 30, 40]  # what tps_user_e2e reads stays
     assert sweep.compact(run_dir) == 0  # nothing left to drop
+
+
+def test_a_mistyped_quiet_start_role_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["run", "--arms", "ours", "--quiet-start", "ourz"])
+    assert sweep.parse_args(["run", "--arms", "ours", "--quiet-start", "none"]).quiet_start == ["none"]
+
+
+def test_each_arm_writes_its_own_cost_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_AV_COST_TABLE_OUT", str(tmp_path / "cost.json"))
+    opts = sweep.parse_args(["run", "--arms", "ours", "--device", "cpu"])
+    env = sweep.Server(opts, sweep.make_arm("ours_async"), tmp_path / "log").env()
+    assert env["VLLM_AV_COST_TABLE_OUT"] == str(tmp_path / "cost_ours_async.json")

@@ -19,8 +19,8 @@ its dispatcher replays them for any batch up to the largest capture size;
 the drafter keeps its piecewise graphs (it has its own dispatcher), which
 cudagraph_mode FULL for the whole engine would take away.
 
-Measured on the H200 (docs/RESULTS.md, fourth round): an 8-token target
-step in the start-up profile went from 8.6 ms to 2.6 ms.
+On the H200 the start-up profile priced an 8-token target step at 8.6 ms
+without it (third round) and 2.6 ms with it (fourth round; docs/RESULTS.md).
 """
 
 from __future__ import annotations
