@@ -45,7 +45,7 @@ def test_without_the_keys_short_steps_fall_to_piecewise():
 def test_every_batch_up_to_the_largest_capture_size_gets_a_full_graph():
     d = _dispatcher()
     uniform_before = {n: d.dispatch(n, uniform_decode=True) for n in (8, 16, 64)}
-    added = add_varlen_full_keys(d, MAX_SEQS)
+    added = add_varlen_full_keys(d)
     assert [k.num_tokens for k in added] == sorted(SIZES, reverse=True)
     for n in range(1, SIZES[-1] + 1):
         mode, desc = d.dispatch(n, uniform_decode=False)
@@ -60,7 +60,7 @@ def test_every_batch_up_to_the_largest_capture_size_gets_a_full_graph():
     # vLLM's capture loop sees them.
     full = dict(d.get_capture_descs())[CUDAGraphMode.FULL]
     assert sum(not k.uniform for k in full) == len(SIZES)
-    assert add_varlen_full_keys(d, MAX_SEQS) == []  # idempotent
+    assert add_varlen_full_keys(d) == []  # idempotent
 
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE])
@@ -69,7 +69,7 @@ def test_other_modes_are_left_alone(mode):
     if mode == CUDAGraphMode.NONE:
         d.cudagraph_mode = mode
     before = {m: set(k) for m, k in d.cudagraph_keys.items()}
-    assert add_varlen_full_keys(d, MAX_SEQS) == []
+    assert add_varlen_full_keys(d) == []
     assert {m: set(k) for m, k in d.cudagraph_keys.items()} == before
 
 

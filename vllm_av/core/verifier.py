@@ -72,6 +72,15 @@ class VerifierStats:
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
+def _to_device(values: np.ndarray, device) -> torch.Tensor:
+    """Host ints to `device`; on CUDA through pinned memory and without
+    blocking, so that the copy does not wait for the work queued before it."""
+    t = torch.from_numpy(np.ascontiguousarray(values))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class _Drafts:
     """Admitted drafts awaiting their outcome, by request slot.
 
@@ -414,7 +423,7 @@ class AdaptiveVerifier:
         """
         num_drafted = np.asarray(num_drafted, dtype=np.int64)
         R, k = features.shape
-        drafted_t = torch.as_tensor(num_drafted, device=features.device)
+        drafted_t = _to_device(num_drafted, features.device)
         if admit_all:
             budget = int(num_drafted.sum())
         else:
@@ -544,8 +553,8 @@ class AdaptiveVerifier:
             (penalties, bad words, allowed tokens, grammars); their outcomes
             are counted but never fitted.
         """
-        if self._deferred:
-            self._materialize()
+        if any(entry[4] is self._verifying for entry in self._deferred):
+            self._materialize()  # the predictions `observe` reads (async scheduling)
         slots = self._slots_of(req_ids)  # [R]
         ver = self._verifying
         # Rows whose drafts are being verified; read once (then dropped).

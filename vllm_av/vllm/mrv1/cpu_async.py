@@ -3,7 +3,7 @@ path (scheduled_depth.py) runs in the CPU test suite."""
 
 from __future__ import annotations
 
-from vllm_av.vllm.config_patch import test_cpu_async_enabled
+from vllm_av.vllm.config import cpu_async_for_tests
 from vllm_av.vllm.patching import VllmPatch
 
 
@@ -31,6 +31,6 @@ class CPUAsyncForTestsPatch(VllmPatch):
     def check_and_update_config(cls, vllm_config):
         asked = vllm_config.scheduler_config.async_scheduling
         out = cls._orig_check_and_update_config(vllm_config)
-        if asked and test_cpu_async_enabled():
+        if asked and cpu_async_for_tests():
             vllm_config.scheduler_config.async_scheduling = True
         return out

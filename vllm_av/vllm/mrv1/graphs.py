@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.patching import VllmPatch
 
@@ -49,12 +51,11 @@ def backends_replay_any_batch(runner) -> bool:
     return True
 
 
-def add_varlen_full_keys(dispatcher, max_num_seqs: int) -> list:
+def add_varlen_full_keys(dispatcher) -> list:
     """Add a FULL key for the mixed-batch shape at every capture size of a
     FULL_AND_PIECEWISE dispatcher; returns the keys added, largest first
     (none when the dispatcher is in another mode)."""
     from vllm.config import CUDAGraphMode
-    from vllm.forward_context import BatchDescriptor
 
     if dispatcher.cudagraph_mode != CUDAGraphMode.FULL_AND_PIECEWISE:
         return []
@@ -62,12 +63,16 @@ def add_varlen_full_keys(dispatcher, max_num_seqs: int) -> list:
     added = []
     for n in sorted(sizes, reverse=True):
         # The key vLLM's dispatcher builds for a non-uniform batch padded to
-        # n tokens: one request per token, up to max_num_seqs.
-        key = BatchDescriptor(num_tokens=n, num_reqs=min(n, max_num_seqs), uniform=False)
+        # n tokens (one request per token, up to max_num_seqs).
+        key = dispatcher._create_padded_batch_descriptor(n, False, False)
         if key not in dispatcher.cudagraph_keys[CUDAGraphMode.FULL]:
             dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, key)
             added.append(key)
     return added
+
+
+def _free_gpu_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
 
 
 def capture_full(runner, keys) -> None:
@@ -124,11 +129,10 @@ class VarlenFullGraphsPatch(VllmPatch):
                 "CUDA graphs; shortened steps run piecewise"
             )
             return out
-        keys = add_varlen_full_keys(
-            self.cudagraph_dispatcher, self.vllm_config.scheduler_config.max_num_seqs
-        )
+        keys = add_varlen_full_keys(self.cudagraph_dispatcher)
         if keys:
             t0 = time.perf_counter()
+            free_before = _free_gpu_memory()
             try:
                 capture_full(self, keys)
             except Exception:
@@ -142,8 +146,12 @@ class VarlenFullGraphsPatch(VllmPatch):
                     "skips the attempt)", exc_info=True,
                 )
                 return out
+            used = max(free_before - _free_gpu_memory(), 0)
             logger.info(
                 "vllm-av: FULL CUDA graphs for steps of any draft length: %d sizes "
-                "captured in %.1f s", len(keys), time.perf_counter() - t0,
+                "captured in %.1f s, %.2f GiB (not in vLLM's start-up memory "
+                "estimate)", len(keys), time.perf_counter() - t0, used / 2**30,
             )
+            if isinstance(out, int):
+                out += used  # vLLM reports the graphs' memory from this
         return out

@@ -58,14 +58,16 @@ class DepthFromVerifier:
                     "executor); drafting K=%d every step", K,
                 )
             return K
-        decoding = [r for r in self.scheduler.running if not r.is_prefill_chunk]
-        # A request with its own seed is verified in full (as in the
-        # synchronous path), so it is drafted in full too.
-        seeded = any(getattr(r.sampling_params, "seed", None) is not None for r in decoding)
+        decoding, seeded = [], False
+        for r in self.scheduler.running:
+            if not r.is_prefill_chunk:
+                decoding.append(r.request_id)
+                # A request with its own seed is verified in full (as in the
+                # synchronous path), so it is drafted in full too.
+                seeded = seeded or getattr(r.sampling_params, "seed", None) is not None
         n = len(decoding)
         return verifier.choose_depth(
-            [r.request_id for r in decoding], num_sampling=n, num_other_tokens=n,
-            min_depth=K if seeded else 0,
+            decoding, num_sampling=n, num_other_tokens=n, min_depth=K if seeded else 0,
         )
 
 
