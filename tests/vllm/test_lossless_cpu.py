@@ -180,31 +180,29 @@ def av_probabilistic_draft(tiny_models, tmp_path_factory):
         )
 
 
-@pytest.fixture(scope="module")
-def av_async_scheduled(tiny_models, tmp_path_factory):
-    """Async scheduling: the depth is chosen when each step is scheduled and
-    every draft is verified (vllm_av/vllm/mrv1/scheduled_depth.py)."""
+def _sample_async(tiny_models, tmp_path_factory, name: str, unfixed: bool = False):
+    """Our AV under async scheduling: the depth is chosen when each step is
+    scheduled and every draft is verified (vllm_av/vllm/mrv1/scheduled_depth.py);
+    `unfixed`: without our CPU sampling fix (negative control)."""
     with pytest.MonkeyPatch.context() as mp:
-        _av_env(mp, tmp_path_factory, "av_async_scheduled")
+        _av_env(mp, tmp_path_factory, name)
         mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
+        if unfixed:
+            mp.setenv("VLLM_AV_TEST_NO_SAMPLING_FIX", "1")
         return sample_first_tokens(
             tiny_models, mp, _av_spec(draft_sample_method="probabilistic"),
             async_scheduling=True,
         )
+
+
+@pytest.fixture(scope="module")
+def av_async_scheduled(tiny_models, tmp_path_factory):
+    return _sample_async(tiny_models, tmp_path_factory, "av_async_scheduled")
 
 
 @pytest.fixture(scope="module")
 def av_async_unfixed(tiny_models, tmp_path_factory):
-    """Negative control of av_async_scheduled: the same engine without our
-    CPU sampling fix."""
-    with pytest.MonkeyPatch.context() as mp:
-        _av_env(mp, tmp_path_factory, "av_async_unfixed")
-        mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
-        mp.setenv("VLLM_AV_TEST_NO_SAMPLING_FIX", "1")
-        return sample_first_tokens(
-            tiny_models, mp, _av_spec(draft_sample_method="probabilistic"),
-            async_scheduling=True,
-        )
+    return _sample_async(tiny_models, tmp_path_factory, "av_async_unfixed", unfixed=True)
 
 
 @pytest.fixture(scope="module")
