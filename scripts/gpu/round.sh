@@ -23,7 +23,7 @@
 #     then ours again with VLLM_AV_VARLEN_FULL_GRAPHS=0 (h200_ours_piecewise).
 #  GPU 1: tests/gpu/test_gpu_lossless.py (the T=1 distribution under graphs),
 #     tests/gpu/test_gpu_av.py (greedy outputs, eager and graphs), the
-#     step breakdown of ours, more fixed-K arms (h200_sweep_b: compare them
+#     step breakdown of K=3 on V1 and ours, more fixed-K arms (h200_sweep_b: compare them
 #     within their own lane), and scripts/gpu/smoke_mrv2.py --impl ours.
 set -uo pipefail
 MODE=${1:-start}
@@ -106,10 +106,19 @@ engine_tests() {  # engine_tests <gpu>
   log "tests/gpu/test_gpu_av.py"
   timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_av.py > "$RES/tests_gpu_av.log" 2>&1
   log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
-  log "step breakdown ours"
-  timeout 400 python3 scripts/gpu/step_breakdown.py --arm ours --out "$RES/breakdown_ours.json" \
-    > "$RES/breakdown_ours.log" 2>&1
-  log "breakdown ours exit $?"; grep -a "^\[ours\]" "$RES/breakdown_ours.log" | tail -5
+}
+
+# Per-phase step times: fixed K=3 on V1 (what a V1 drafter costs under its
+# graphs) and ours.
+breakdown() {  # breakdown <gpu>
+  export CUDA_VISIBLE_DEVICES=$1
+  local arm
+  for arm in ${BREAKDOWN_ARMS:-k3v1 ours}; do
+    log "step breakdown $arm"
+    timeout 400 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
+      > "$RES/breakdown_$arm.log" 2>&1
+    log "breakdown $arm exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$arm.log" | tail -5
+  done
 }
 
 mrv2_smoke() {  # mrv2_smoke <gpu>
@@ -138,11 +147,11 @@ more_arms() {
 
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round: ours (both schedulings) against no speculation (V2,
-  # V1, V1 synchronous), K=3 and vLLM's AV on GPU 0; the engine tests, then
-  # the piecewise control, on GPU 1.
-  ( GPU=1; engine_tests 1; piecewise_sweep ) &
+  # V1, V1 synchronous) and vLLM's AV on GPU 0; the engine tests, the
+  # piecewise control, then the step breakdown, on GPU 1.
+  ( GPU=1; engine_tests 1; piecewise_sweep; breakdown 1 ) &
   LANE1=$!
-  ARMS=ours,ours_async,nospec,nospecv1,nospecv1sync,k3,vllm_av QUIET= main_sweep
+  ARMS=ours,ours_async,nospec,nospecv1,nospecv1sync,vllm_av QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"
@@ -150,7 +159,7 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
 fi
 
 if [[ $NGPU -gt 1 ]]; then
-  ( GPU=1; engine_tests 1; more_arms; mrv2_smoke 1 ) &
+  ( GPU=1; engine_tests 1; breakdown 1; more_arms; mrv2_smoke 1 ) &
   LANE1=$!
   main_sweep
   piecewise_sweep
@@ -158,6 +167,7 @@ if [[ $NGPU -gt 1 ]]; then
 else
   main_sweep
   engine_tests 0
+  breakdown 0
   piecewise_sweep
   more_arms
   mrv2_smoke 0

@@ -43,7 +43,7 @@ RUN_ENGINE = textwrap.dedent(
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
               max_num_seqs=256, disable_log_stats=False,
-              speculative_config=cfg["spec"])
+              speculative_config=cfg["spec"], **cfg["extra"])
     prompts = [
         "def fibonacci(n):", "def is_prime(n):", "class Stack:",
         "def quicksort(xs):", "def binary_search(a, x):", "import numpy as np\\ndef softmax(x):",
@@ -60,9 +60,11 @@ RUN_ENGINE = textwrap.dedent(
 )
 
 
-def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None) -> list[list[int]]:
+def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
+               llm_args: dict | None = None) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
-    cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS}
+    cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS,
+           "extra": llm_args or {}}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -109,23 +111,28 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
         run_engine(spec, eager=True, env_extra={"VLLM_AV_IMPL": "vllm"})
 
 
-@pytest.mark.parametrize("adaptive_depth", ["1", "0"], ids=["served", "always_drafts"])
-def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth):
+@pytest.mark.parametrize("adaptive_depth,async_scheduling", [
+    ("1", False), ("0", False), ("1", True)], ids=["served", "always_drafts", "async"])
+def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
+                                                     async_scheduling):
     """The served configuration: default compilation and CUDA graphs, so the
     varlen steps our admission produces run through vLLM's graphs (and ours:
     FULL graphs for any draft length, vllm_av/vllm/mrv1/graphs.py). With
     adaptive depth off every step drafts K and the budget trims, so trimmed
     steps are verified for certain; drafted and accepted counts must be > 0
     there (an engine that never verified a draft would pass the output check
-    trivially)."""
+    trivially). With async scheduling the depth is chosen when each step is
+    scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
+    the drafter through vLLM's own not-drafting path."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}
     ours = run_engine(spec, eager=False, counts=counts, env_extra={
-        "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth})
+        "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth},
+        llm_args={"async_scheduling": async_scheduling})
     prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
     exact = sum(a == b for a, b in zip(ours, plain_outputs))
-    print(f"graphs (adaptive depth {adaptive_depth}): exact matches {exact}/{len(ours)}; "
+    print(f"graphs (adaptive depth {adaptive_depth}, async {async_scheduling}): exact matches {exact}/{len(ours)}; "
           f"mean common prefix {sum(prefix)/len(prefix):.2f}; spec counts {counts}")
     assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
     assert exact >= len(ours) // 2

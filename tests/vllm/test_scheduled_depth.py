@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import av_stats, make_llm, shutdown  # noqa: E402
-from test_adaptive_depth import drafting_table  # noqa: E402
+from test_adaptive_depth import DEAR_DRAFT_MS, EXPLORE_TOKENS, drafting_table  # noqa: E402
 from test_av_engine import prompts  # noqa: E402
 
 from vllm_av.vllm.mrv1 import scheduled_depth  # noqa: E402
@@ -54,20 +54,18 @@ def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
     assert v.calls[-1][3] == K
 
 
-@pytest.fixture(scope="module")
-def async_runs(tiny_models, tmp_path_factory):
-    """Greedy outputs under async scheduling with our AV (cheap drafting, so
-    most steps draft), the engine's scheduler and runner as seen in-process,
-    and greedy outputs of no speculation."""
+def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS):
+    """Greedy outputs of our AV under async scheduling, its AV counters, the
+    engine's scheduler and runner as seen in-process, and how many times
+    the drafter ran."""
     from vllm import SamplingParams
 
-    tmp = tmp_path_factory.mktemp("async")
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to look inside the engine
         mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
-        mp.setenv("VLLM_AV_COST_TABLE", drafting_table(tmp / "cost.json", 0.35))
+        mp.setenv("VLLM_AV_COST_TABLE", drafting_table(tmp / "cost.json", draft_ms))
         mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
@@ -77,41 +75,78 @@ def async_runs(tiny_models, tmp_path_factory):
                   "enable_adaptive_verification": True},
         )
         core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
         engine = {
             "scheduler": type(core.scheduler).__name__,
             "lookup": type(core.scheduler.dynamic_sd_lookup).__name__,
-            "runner_async": core.model_executor.driver_worker.worker.model_runner
-            .use_async_scheduling,
+            "runner_async": runner.use_async_scheduling,
         }
+        drafter_calls = []
+        propose = runner.drafter.propose
+        mp.setattr(runner.drafter, "propose",
+                   lambda *a, **kw: drafter_calls.append(1) or propose(*a, **kw))
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
         shutdown(llm)
     finally:
         mp.undo()
-    stats = av_stats(tmp / "metrics")
+    engine["drafter_calls"] = len(drafter_calls)
+    return ours, av_stats(tmp / "metrics"), engine
+
+
+@pytest.fixture(scope="module")
+def async_runs(tiny_models, tmp_path_factory):
+    """Our AV under async scheduling with cheap drafting (most steps draft)
+    and with dear drafting (most steps at depth 0), and greedy outputs of no
+    speculation."""
+    from vllm import SamplingParams
+
+    ours, stats, engine = run_async(tiny_models, tmp_path_factory.mktemp("async"), 0.35)
+    # Long enough for exploration steps (test_adaptive_depth.py).
+    dear = run_async(tiny_models, tmp_path_factory.mktemp("dear"), DEAR_DRAFT_MS,
+                     EXPLORE_TOKENS)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm = make_llm(tiny_models, spec=None)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
     shutdown(llm)
-    return ours, ref, stats, engine
+    return ours, ref, stats, engine, dear
 
 
 def test_engine_schedules_asynchronously_with_our_depth(async_runs):
-    _, _, _, engine = async_runs
+    _, _, _, engine, _ = async_runs
+    engine = dict(engine)
+    assert engine.pop("drafter_calls") > 0
     assert engine == {"scheduler": "AsyncScheduler", "lookup": "DepthFromVerifier",
                       "runner_async": True}
 
 
 def test_greedy_outputs_identical_to_no_speculation(async_runs):
-    ours, ref, _, _ = async_runs
+    ours, ref, _, _, (dear, _, _) = async_runs
     assert ours == ref
+    assert [o[:MAX_TOKENS] for o in dear] == ref
 
 
 def test_outcomes_are_observed_a_step_late_and_nothing_is_trimmed(async_runs):
     """An engine that never observed (outcomes lost under async scheduling)
     would show verified == 0 and no labels."""
-    _, _, s, _ = async_runs
+    _, _, s, _, _ = async_runs
     print(f"async: {s}")
     assert s["depth_steps"] > 0 and s["zero_depth_steps"] < s["depth_steps"], s
     assert s["trimmed"] == 0, s
     assert 0 < s["verified"] <= s["drafted"], s
     assert 0 < s["accepted"] < s["verified"], s
     assert min(s["labelled"]) > 0, s  # every position got labels
+
+
+def test_depth_zero_steps_skip_the_drafter(async_runs):
+    """Dear drafting: depth 0 wins most steps and the drafter is not called
+    on them (the scheduled path's `zero_depth_skips_drafter`), yet the
+    steps that do draft are verified and observed. An engine that ran the
+    drafter's KV-sync forward at depth 0 calls it on every step and fails."""
+    _, _, _, _, (_, s, engine) = async_runs
+    drafting_steps = s["depth_steps"] - s["zero_depth_steps"]
+    print(f"async, dear drafting: {s}; drafter calls {engine['drafter_calls']}")
+    assert s["zero_depth_steps"] > s["depth_steps"] / 2, s
+    # The scheduler may ask for a depth once more than the runner drafts
+    # (the last step scheduled), hence the slack of one.
+    assert engine["drafter_calls"] <= drafting_steps + 1, (engine, s)
+    assert s["verified"] > 0, s

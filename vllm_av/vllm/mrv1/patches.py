@@ -199,10 +199,16 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
                        *args, **kwargs):
     """Scheduled depth (async scheduling): the scheduler chose this step's
     depth (`num_spec_tokens_to_schedule`) and reserved its slots, so vLLM
-    drafts exactly that (at depth 0 its drafter still runs the forward that
-    keeps its KV cache whole) and every draft is verified. We record the
-    drafts' features for the estimator and hand vLLM's drafts back as they
-    are. No timers: a device synchronize would stall the async pipeline."""
+    drafts exactly that and every draft is verified. At depth 0 the drafter
+    is skipped (`zero_depth_skips_drafter`, as in the synchronous path);
+    off, vLLM's drafter runs the forward that keeps its KV cache whole. We
+    record the drafts' features for the estimator and hand vLLM's drafts
+    back as they are. No timers: a device synchronize would stall the
+    async pipeline."""
+    options = getattr(runner, _OPTIONS_ATTR, None)
+    if (scheduler_output.num_spec_tokens_to_schedule == 0
+            and options is not None and options.zero_depth_skips_drafter):
+        return _skip_drafter_async(runner, sampled_token_ids)
     drafter = runner.drafter
     arm = hasattr(drafter, "_sample_draft_tokens")
     if arm:
@@ -227,6 +233,27 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
             )
     _maybe_write_metrics(runner, verifier)
     return drafts
+
+
+def _skip_drafter_async(runner, sampled_token_ids):
+    """A depth-0 step under async scheduling without the drafter: what
+    vLLM's runner does when a drafter's input does not fit. The next step's
+    input preparation still reads how many of this step's sampled tokens
+    are valid, so that count is copied as vLLM's drafting path would."""
+    drafter = runner.drafter
+    prepare = getattr(drafter, "prepare_next_token_ids_padded", None)
+    if (prepare is not None and torch.is_tensor(sampled_token_ids)
+            and getattr(runner, "valid_sampled_token_count_event", None) is not None):
+        next_token_ids, valid_counts = prepare(
+            sampled_token_ids, runner.requests, runner.input_batch,
+            runner.discard_request_mask.gpu,
+        )
+        runner._copy_valid_sampled_token_count(next_token_ids, valid_counts)
+    _maybe_write_metrics(runner, verifier_of(runner))
+    num_reqs = runner.input_batch.num_reqs
+    if torch.is_tensor(sampled_token_ids):
+        return torch.empty(num_reqs, 0, device=sampled_token_ids.device, dtype=torch.int64)
+    return [[] for _ in range(num_reqs)]
 
 
 # Every this many drafting steps, time one (with a device synchronize on

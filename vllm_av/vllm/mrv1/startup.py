@@ -169,12 +169,7 @@ def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
             cost = CostModel.from_json(f.read())
     else:
         cost = profile_costs(runner, options)
-    # With the depth chosen at scheduling time vLLM's drafter still runs its
-    # KV-sync forward at depth 0, so depth 0 is not free there.
-    cost.free_zero_depth = (
-        options.adaptive_depth and options.zero_depth_skips_drafter
-        and not options.scheduled_depth
-    )
+    cost.free_zero_depth = options.adaptive_depth and options.zero_depth_skips_drafter
     spec = runner.vllm_config.speculative_config
     K = spec.num_speculative_tokens
     verifier = AdaptiveVerifier(
