@@ -73,23 +73,24 @@ def test_other_modes_are_left_alone(mode):
     assert {m: set(k) for m, k in d.cudagraph_keys.items()} == before
 
 
-def _fake_backend(support):
+def _fake_backend(support, name="FLASH_ATTN"):
     builder = SimpleNamespace(get_cudagraph_support=lambda *a: support)
-    return SimpleNamespace(get_builder_cls=lambda: builder)
+    return SimpleNamespace(get_builder_cls=lambda: builder, get_name=lambda: name)
 
 
 class _Runner:
     """What the patch reads of vLLM's GPU model runner; vLLM's capture pass
     is recorded instead of run (it needs a GPU)."""
 
-    def __init__(self, options, support):
+    def __init__(self, options, support, backend="FLASH_ATTN"):
         extra = {} if options is None else {ADDITIONAL_CONFIG_KEY: options.to_dict()}
         self.vllm_config = SimpleNamespace(
             additional_config=extra, scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS)
         )
         self.cudagraph_dispatcher = _dispatcher()
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)])
-        self.attn_groups = [[SimpleNamespace(backend=_fake_backend(support), kv_cache_spec=None)]]
+        self.attn_groups = [[SimpleNamespace(backend=_fake_backend(support, backend),
+                                             kv_cache_spec=None)]]
         self.calls = []
 
     def _orig_capture_model(self):
@@ -101,20 +102,23 @@ class _Runner:
 
 
 @pytest.mark.parametrize(
-    "options, support, expect_keys",
+    "options, support, backend, expect_keys",
     [
-        (AVOptions(), AttentionCGSupport.ALWAYS, True),
-        (AVOptions(), AttentionCGSupport.UNIFORM_BATCH, False),  # FA2, FlashInfer-like
-        (AVOptions(varlen_full_graphs=False), AttentionCGSupport.ALWAYS, False),
-        (None, AttentionCGSupport.ALWAYS, False),  # our AV not serving this engine
+        (AVOptions(), AttentionCGSupport.ALWAYS, "FLASH_ATTN", True),
+        # FA2, FlashInfer-like
+        (AVOptions(), AttentionCGSupport.UNIFORM_BATCH, "FLASH_ATTN", False),
+        # Declares ALWAYS but crashed on the H200 (float32 pair): not validated.
+        (AVOptions(), AttentionCGSupport.ALWAYS, "TRITON_ATTN", False),
+        (AVOptions(varlen_full_graphs=False), AttentionCGSupport.ALWAYS, "FLASH_ATTN", False),
+        (None, AttentionCGSupport.ALWAYS, "FLASH_ATTN", False),  # our AV not serving
     ],
 )
 def test_the_patch_captures_after_vllm_and_only_where_it_should(
-    monkeypatch, options, support, expect_keys
+    monkeypatch, options, support, backend, expect_keys
 ):
     import vllm_av.vllm.mrv1.graphs as graphs
 
-    runner = _Runner(options, support)
+    runner = _Runner(options, support, backend)
     monkeypatch.setattr(
         graphs, "capture_full",
         lambda r, keys: r.calls.append(("ours", [k.num_tokens for k in keys])),

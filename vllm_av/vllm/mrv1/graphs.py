@@ -10,7 +10,8 @@ step (docs/RESULTS.md, 2026-11-29), so the saving of a short step was lost
 to the runner.
 
 Where the attention backend can replay any batch inside a FULL graph
-(FlashAttention 3 says `AttentionCGSupport.ALWAYS`), we add FULL keys for
+(FlashAttention 3 says `AttentionCGSupport.ALWAYS`) and is one validated
+on a GPU (`VALIDATED_BACKENDS`), we add FULL keys for
 the mixed-batch shape at every capture size once vLLM's own capture is done
 (its piecewise pass must run unchanged: it also captures the drafter's
 graphs, and its dummy runs check that the dispatcher still picks piecewise
@@ -36,9 +37,19 @@ from vllm_av.vllm.patching import VllmPatch
 logger = logging.getLogger("vllm.vllm_av")
 
 
-def backends_replay_any_batch(runner) -> bool:
-    """Whether every attention backend of the target can run a mixed batch
-    inside a FULL CUDA graph."""
+# Backends whose mixed-batch FULL graphs have served on a GPU (FlashAttention
+# 3 on the H200, bf16). With the float32 test pair on the H200 (FlashAttention
+# does not run float32; vLLM picks Triton or Flex attention, both declaring
+# ALWAYS) the engine died with an illegal memory access right after vLLM's
+# capture, where ours runs (docs/RESULTS.md, fifth round); a CUDA fault
+# poisons the context, so the fallback below cannot catch it.
+VALIDATED_BACKENDS = ("FLASH_ATTN",)
+
+
+def backends_replay_any_batch(runner) -> str | None:
+    """None when every attention backend of the target can run a mixed
+    batch inside a FULL CUDA graph and is one we have served with; else
+    why not."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
     groups = runner.kv_cache_config.kv_cache_groups
@@ -47,8 +58,11 @@ def backends_replay_any_batch(runner) -> bool:
             spec = getattr(g, "kv_cache_spec", None) or groups[i].kv_cache_spec
             support = g.backend.get_builder_cls().get_cudagraph_support(runner.vllm_config, spec)
             if support != AttentionCGSupport.ALWAYS:
-                return False
-    return True
+                return "the attention backend cannot replay mixed batches in FULL CUDA graphs"
+            name = g.backend.get_name()
+            if name not in VALIDATED_BACKENDS:
+                return f"FULL graphs for mixed batches are not validated on {name}"
+    return None
 
 
 def add_varlen_full_keys(dispatcher) -> list:
@@ -102,7 +116,8 @@ class VarlenFullGraphsPatch(VllmPatch):
     How: after vLLM's own capture (its piecewise pass also captures the
         drafter's graphs, so it must run as it is), when our AV serves the
         engine, the mode is FULL_AND_PIECEWISE and every attention backend
-        supports FULL graphs for any batch, add FULL keys for the mixed-batch
+        supports FULL graphs for any batch and is FlashAttention (the one
+        validated on a GPU), add FULL keys for the mixed-batch
         shape at every capture size and capture them with vLLM's own capture
         routine; from then on its dispatcher picks them before the piecewise
         ones. Off with VLLM_AV_VARLEN_FULL_GRAPHS=0.
@@ -123,11 +138,9 @@ class VarlenFullGraphsPatch(VllmPatch):
         options = av_options_of(self.vllm_config)
         if options is None or not options.varlen_full_graphs:
             return out
-        if not backends_replay_any_batch(self):
-            logger.info(
-                "vllm-av: the attention backend cannot replay mixed batches in FULL "
-                "CUDA graphs; shortened steps run piecewise"
-            )
+        why_not = backends_replay_any_batch(self)
+        if why_not:
+            logger.info("vllm-av: %s; shortened steps run piecewise", why_not)
             return out
         keys = add_varlen_full_keys(self.cudagraph_dispatcher)
         if keys:
