@@ -54,10 +54,12 @@ def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
     assert v.calls[-1][3] == K
 
 
-def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS):
+def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
+              calibrate: bool = False):
     """Greedy outputs of our AV under async scheduling, its AV counters, the
-    engine's scheduler and runner as seen in-process, and how many times
-    the drafter ran."""
+    engine's scheduler and runner as seen in-process, how many times the
+    drafter ran, and the cost corrections the verifier made (none unless
+    `calibrate`)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -66,7 +68,7 @@ def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS):
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to look inside the engine
         mp.setenv("VLLM_AV_TEST_CPU_ASYNC", "1")
         mp.setenv("VLLM_AV_COST_TABLE", drafting_table(tmp / "cost.json", draft_ms))
-        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "0")
+        mp.setenv("VLLM_AV_CALIBRATE_COSTS", "1" if calibrate else "0")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
         llm = make_llm(
@@ -86,6 +88,9 @@ def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS):
         mp.setattr(runner.drafter, "propose",
                    lambda *a, **kw: drafter_calls.append(1) or propose(*a, **kw))
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
+        verifier = scheduled_depth.local_verifier()
+        engine["corrections"] = {"verify": dict(verifier._verify_log_scale),
+                                 "draft": dict(verifier._draft_log_scale)}
         shutdown(llm)
     finally:
         mp.undo()
@@ -100,7 +105,8 @@ def async_runs(tiny_models, tmp_path_factory):
     speculation."""
     from vllm import SamplingParams
 
-    ours, stats, engine = run_async(tiny_models, tmp_path_factory.mktemp("async"), 0.35)
+    ours, stats, engine = run_async(tiny_models, tmp_path_factory.mktemp("async"), 0.35,
+                                    calibrate=True)
     # Long enough for exploration steps (test_adaptive_depth.py).
     dear = run_async(tiny_models, tmp_path_factory.mktemp("dear"), DEAR_DRAFT_MS,
                      EXPLORE_TOKENS)
@@ -115,6 +121,7 @@ def test_engine_schedules_asynchronously_with_our_depth(async_runs):
     _, _, _, engine, _ = async_runs
     engine = dict(engine)
     assert engine.pop("drafter_calls") > 0
+    engine.pop("corrections")
     assert engine == {"scheduler": "AsyncScheduler", "lookup": "DepthFromVerifier",
                       "runner_async": True}
 
@@ -150,3 +157,14 @@ def test_depth_zero_steps_skip_the_drafter(async_runs):
     # (the last step scheduled), hence the slack of one.
     assert engine["drafter_calls"] <= drafting_steps + 1, (engine, s)
     assert s["verified"] > 0, s
+
+
+def test_costs_are_corrected_from_timed_steps_without_a_synchronize(async_runs):
+    """With calibration on, steps timed by marks read later (async_timing.py;
+    host marks on the CPU) correct both tables; with it off (the dear run)
+    nothing is corrected, so a correction cannot come from elsewhere."""
+    _, _, _, engine, (_, _, dear_engine) = async_runs
+    print(f"corrections: {engine['corrections']}")
+    assert engine["corrections"]["verify"], engine
+    assert engine["corrections"]["draft"], engine
+    assert dear_engine["corrections"] == {"verify": {}, "draft": {}}

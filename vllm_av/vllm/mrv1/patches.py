@@ -32,6 +32,7 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
+from vllm_av.vllm.mrv1.async_timing import AsyncStepClock
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
@@ -203,12 +204,27 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
     is skipped (`zero_depth_skips_drafter`, as in the synchronous path);
     off, vLLM's drafter runs the forward that keeps its KV cache whole. We
     record the drafts' features for the estimator and hand vLLM's drafts
-    back as they are. No timers: a device synchronize would stall the
-    async pipeline."""
+    back as they are. No synchronizing timers, which would stall the
+    async pipeline: timings come from device events read later
+    (async_timing.py)."""
     options = getattr(runner, _OPTIONS_ATTR, None)
-    if (scheduler_output.num_spec_tokens_to_schedule == 0
-            and options is not None and options.zero_depth_skips_drafter):
-        return _skip_drafter_async(runner, sampled_token_ids)
+    depth = scheduler_output.num_spec_tokens_to_schedule
+    clock = _async_clock(runner)
+    if clock is not None:
+        clock.drafting_starts()
+    if depth == 0 and options is not None and options.zero_depth_skips_drafter:
+        out = _skip_drafter_async(runner, sampled_token_ids)
+    else:
+        out = _draft_scheduled(runner, verifier, orig, scheduler_output,
+                               sampled_token_ids, *args, **kwargs)
+    if clock is not None:
+        clock.drafting_done(depth, _num_decoding(runner))
+        clock.collect(verifier)
+    return out
+
+
+def _draft_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids,
+                     *args, **kwargs):
     drafter = runner.drafter
     arm = hasattr(drafter, "_sample_draft_tokens")
     if arm:
@@ -551,11 +567,29 @@ _PENDING_OBSERVE_ATTR = "_vllm_av_pending_observe"
 _PREV_SPEC_ATTR = "_vllm_av_prev_spec"
 
 
+_ASYNC_CLOCK_ATTR = "_vllm_av_async_clock"
+
+
+def _async_clock(runner):
+    """The runner's AsyncStepClock when costs are calibrated, else None."""
+    options = getattr(runner, _OPTIONS_ATTR, None)
+    if options is not None and not options.calibrate_costs:
+        return None
+    clock = getattr(runner, _ASYNC_CLOCK_ATTR, None)
+    if clock is None:
+        clock = AsyncStepClock(getattr(runner, "device", None))
+        setattr(runner, _ASYNC_CLOCK_ATTR, clock)
+    return clock
+
+
 def _update_states_async(runner, verifier, orig, scheduler_output):
     """Async scheduling: the outcomes of the previous step reach the host
     only in the correction closure vLLM's `_update_states` returns (run once
     this step's forward is launched). Observe them there, then mark this
     step's verified drafts (`begin_step`), before this step drafts."""
+    clock = _async_clock(runner)
+    if clock is not None:
+        clock.step_started(scheduler_output.total_num_scheduled_tokens)
     pending = getattr(runner, _PENDING_OBSERVE_ATTR, None)
     if pending is not None:
         # vLLM never ran last step's closure (a step that launched nothing):

@@ -1,0 +1,93 @@
+"""Cost calibration under async scheduling: steps bracketed by marks read
+later, never by a synchronize (vllm_av/vllm/mrv1/async_timing.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_av.vllm.mrv1 import async_timing
+from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock
+
+
+class _Verifier:
+    def __init__(self):
+        self.verify, self.draft = [], []
+
+    def observe_verify_time(self, num_tokens, ms):
+        self.verify.append((num_tokens, round(ms, 6)))
+
+    def observe_draft_time(self, depth, num_reqs, ms):
+        self.draft.append((depth, num_reqs, round(ms, 6)))
+
+
+class _Mark:
+    """A mark at a scripted time that completes when the test says so."""
+
+    now = 0.0
+    done = True
+
+    def __init__(self):
+        self.t, self.cls = _Mark.now, _Mark
+
+    def ready(self):
+        return self.cls.done
+
+    def ms_since(self, earlier):
+        return self.t - earlier.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    monkeypatch.setattr(async_timing, "mark", lambda device: _Mark())
+    _Mark.now, _Mark.done = 0.0, True
+    return AsyncStepClock(device=None)
+
+
+def _step(clock, tokens, forward_ms, depth, draft_ms, reqs=4):
+    clock.step_started(tokens)
+    _Mark.now += forward_ms
+    clock.drafting_starts()
+    _Mark.now += draft_ms
+    clock.drafting_done(depth, reqs)
+
+
+def test_every_fourth_step_is_timed_into_both_tables(clock):
+    v = _Verifier()
+    for i in range(2 * TIMING_INTERVAL):
+        _step(clock, tokens=10 + i, forward_ms=3.0, depth=i % 3, draft_ms=2.0 * (i % 3))
+        clock.collect(v)
+    # Steps 4 and 8 (i = 3, 7): depths 0 and 1.
+    assert v.verify == [(13, 3.0), (17, 3.0)]
+    assert v.draft == [(1, 4, 2.0)]  # a depth-0 step corrects no drafting cost
+
+
+def test_unfinished_steps_wait_and_are_read_in_order(clock):
+    v = _Verifier()
+    _Mark.done = False
+    for i in range(3 * TIMING_INTERVAL):
+        _step(clock, tokens=8, forward_ms=1.0 + i, depth=2, draft_ms=5.0)
+    assert clock.collect(v) == 0 and v.verify == []
+    _Mark.done = True
+    assert clock.collect(v) == 3
+    assert [ms for _, ms in v.verify] == [4.0, 8.0, 12.0]
+    assert v.draft == [(2, 4, 5.0)] * 3
+
+
+def test_steps_that_never_drafted_or_scheduled_nothing_are_not_timed(clock):
+    v = _Verifier()
+    for _ in range(TIMING_INTERVAL):
+        clock.step_started(0)  # nothing scheduled
+    clock.drafting_starts()
+    clock.drafting_done(1, 4)
+    for _ in range(TIMING_INTERVAL):
+        clock.step_started(8)  # vLLM skipped the drafter call: no mid mark
+    clock.step_started(8)
+    clock.drafting_starts()
+    clock.drafting_done(1, 4)
+    assert clock.collect(v) == 0
+
+
+def test_host_marks_measure_host_time():
+    a = async_timing.mark(None)
+    b = async_timing.mark("cpu")
+    assert a.ready() and b.ready() and b.ms_since(a) >= 0.0
