@@ -225,6 +225,8 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
 
 def _draft_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids,
                      *args, **kwargs):
+    """vLLM drafts the scheduled depth; we record the drafts' features and
+    mark them all admitted (the estimator learns from every one)."""
     drafter = runner.drafter
     arm = hasattr(drafter, "_sample_draft_tokens")
     if arm:
