@@ -22,6 +22,7 @@ PREFIX = "vllm_av:"
 def snapshot(verifier) -> dict:
     s = verifier.stats
     est = verifier.estimator
+    cost = getattr(verifier, "cost", None)
     return {
         "steps": s.num_steps,
         "drafted": s.drafted,
@@ -38,6 +39,9 @@ def snapshot(verifier) -> dict:
         "predicted": s.predicted.tolist(),
         "observed": s.observed.tolist(),
         "labelled": s.labelled.tolist(),
+        # Measured / profiled cost where timed steps corrected the tables.
+        "draft_cost_scale": {str(d): f for d, f in getattr(cost, "draft_scale", {}).items()},
+        "verify_cost_scale": {str(b): f for b, f in getattr(cost, "verify_scale", {}).items()},
     }
 
 
@@ -123,6 +127,23 @@ class AVCollector:
                 obs.add_metric([str(i)], snap["observed"][i] / n)
         yield pred
         yield obs
+        draft = GaugeMetricFamily(
+            f"{PREFIX}draft_cost_scale",
+            "Measured / profiled cost of a drafting step, per depth (timed steps)",
+            labels=["depth"],
+        )
+        for d, f in sorted(snap.get("draft_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
+            draft.add_metric([d], f)
+        yield draft
+        verify = GaugeMetricFamily(
+            f"{PREFIX}verify_cost_scale",
+            "Measured / profiled cost of a step apart from drafting, per bucket "
+            "of floor(log2(tokens)) (timed steps)",
+            labels=["tokens_log2"],
+        )
+        for b, f in sorted(snap.get("verify_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
+            verify.add_metric([b], f)
+        yield verify
 
 
 _registered_dirs: set[str] = set()

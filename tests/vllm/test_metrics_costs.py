@@ -1,0 +1,46 @@
+"""The cost corrections of timed steps reach /metrics
+(vllm_av/vllm/metrics.py), so an operator sees how far real steps are from
+the start-up profile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from vllm_av.core.cost_model import CostModel  # noqa: E402
+from vllm_av.core.estimator import OnlineAcceptanceEstimator  # noqa: E402
+from vllm_av.core.verifier import AdaptiveVerifier  # noqa: E402
+from vllm_av.vllm.metrics import AVCollector, write_snapshot  # noqa: E402
+
+K = 3
+
+
+def _verifier():
+    cost = CostModel.from_samples({1: [1.0], 64: [2.0]}, {1: [0.5], 64: [1.0]}, graph_sizes=[])
+    return AdaptiveVerifier(K, cost, OnlineAcceptanceEstimator(K))
+
+
+def _families(directory):
+    return {f.name: f for f in AVCollector(str(directory)).collect()}
+
+
+def test_timed_steps_show_as_cost_scales(tmp_path):
+    v = _verifier()
+    write_snapshot(str(tmp_path), v)
+    fams = _families(tmp_path)
+    # Nothing timed yet: the families exist and are empty.
+    assert fams["vllm_av:draft_cost_scale"].samples == []
+    assert fams["vllm_av:verify_cost_scale"].samples == []
+
+    predicted = float(v.cost.profiled_draft_cost(8, K, K))
+    for _ in range(50):
+        v.observe_draft_time(K, 8, 12 * predicted)  # drafting 12x its profile
+        v.observe_verify_time(16, float(v.cost.verify(16)))  # verify as profiled
+    write_snapshot(str(tmp_path), v)
+    fams = _families(tmp_path)
+    draft = {s.labels["depth"]: s.value for s in fams["vllm_av:draft_cost_scale"].samples}
+    verify = {s.labels["tokens_log2"]: s.value for s in fams["vllm_av:verify_cost_scale"].samples}
+    assert list(draft) == [str(K)] and draft[str(K)] > 6, draft
+    assert list(verify) == ["4"] and np.isclose(verify["4"], 1.0, rtol=0.05), verify
