@@ -318,7 +318,16 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         # Adaptive depth: the share of this run's steps that drafted nothing.
         "av_zero_depth_share": _div(metric_sum(delta, "vllm_av:zero_depth_steps_total"),
                                     metric_sum(delta, "vllm_av:depth_steps_total")),
+        # Measured / profiled drafting cost after this run (timed steps), at
+        # the depth where real drafting is furthest from the start-up profile.
+        "av_draft_cost_scale": metric_max(delta, "vllm_av:draft_cost_scale"),
     }
+
+
+def metric_max(samples: dict[str, float], name: str) -> float | None:
+    """Largest value of `name` over its label sets; None when absent."""
+    vals = [v for k, v in samples.items() if k.split("{", 1)[0] == name]
+    return max(vals) if vals else None
 
 
 # ---------------------------------------------------------------- merge
@@ -515,6 +524,8 @@ def report_markdown(summary: dict) -> str:
              ".2f"),
             ("Share of steps that drafted nothing (ours, adaptive depth; vllm_av:*)",
              "av_zero_depth_share", ".2f"),
+            ("Measured / profiled drafting cost, largest over depths (ours; vllm_av:*)",
+             "av_draft_cost_scale", ".1f"),
         ):
             if not any(by[a, c].get(key) is not None for a, c in by):
                 continue

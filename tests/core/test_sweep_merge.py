@@ -43,6 +43,8 @@ vllm_av:budget 40.0
 vllm_av:depth_steps_total 150.0
 vllm_av:zero_depth_steps_total 70.0
 vllm_av:draft_depth 0.0
+vllm_av:draft_cost_scale{depth="1"} 4.5
+vllm_av:draft_cost_scale{depth="7"} 11.0
 """
 
 
@@ -168,6 +170,7 @@ def test_metrics_delta_subtracts_counters_keeps_gauges_and_drops_created():
     assert m["av_budget"] == 40.0
     # This run's share of depth-0 steps: 60 of its 100 steps.
     assert m["av_zero_depth_share"] == pytest.approx(0.6)
+    assert m["av_draft_cost_scale"] == 11.0  # a gauge: its value after, worst depth
 
 
 def test_merge_rows_carry_throughput_per_user_speed_and_av_counters(run_dir):
