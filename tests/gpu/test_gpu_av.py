@@ -1,4 +1,5 @@
-"""Our AV on the GPU (Model Runner V1), with the real Qwen2.5-Coder pair.
+"""Our AV on the GPU (Model Runner V1), with the real Qwen2.5-Coder pair;
+greedy agreement of the sweep's other speculative arms too.
 
 Skipped without CUDA, vLLM or the bf16 models (TARGET_MODEL / DRAFT_MODEL,
 as the GPU kit's env.sh sets them). Run by scripts/gpu/round.sh.
@@ -139,3 +140,26 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     if adaptive_depth == "0":
         assert counts.get("num_draft_tokens", 0) > 0
         assert counts.get("num_accepted_tokens", 0) > 0
+
+
+@pytest.mark.parametrize("arm", ["vllm_av", "fixed_k3"])
+def test_other_speculative_arms_keep_greedy_outputs(plain_outputs, arm):
+    """vLLM's own AV and fixed K=3, on vLLM's default runner (Model Runner
+    V2) with CUDA graphs, against the same no-speculation outputs and with
+    the same tolerance: the sweep's other arms decode what the target
+    decodes, so their throughputs compare like with like."""
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    env = {"VLLM_AV_IMPL": "vllm"}
+    if arm == "fixed_k3":
+        spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3}
+        env = {"VLLM_AV_IMPL": "off"}
+    counts: dict = {}
+    outs = run_engine(spec, eager=False, counts=counts, env_extra=env)
+    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(outs, plain_outputs)]
+    exact = sum(a == b for a, b in zip(outs, plain_outputs))
+    print(f"{arm}: exact matches {exact}/{len(outs)}; mean common prefix "
+          f"{sum(prefix)/len(prefix):.2f}; spec counts {counts}")
+    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
+    assert exact >= len(outs) // 2
+    assert counts.get("num_draft_tokens", 0) > 0
