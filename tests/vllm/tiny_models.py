@@ -181,12 +181,12 @@ def build_tiny_models(
 _MODEL_CACHE: dict[str, object] = {}
 
 
-def _load(model_dir: pathlib.Path | str):
+def _load(model_dir: pathlib.Path | str, dtype=torch.float32):
     from transformers import LlamaForCausalLM
 
-    key = str(model_dir)
+    key = (str(model_dir), dtype)
     if key not in _MODEL_CACHE:
-        model = LlamaForCausalLM.from_pretrained(key, dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         _MODEL_CACHE[key] = model.eval()
     return _MODEL_CACHE[key]
 
@@ -196,15 +196,17 @@ def next_token_probs(
     model_dir: pathlib.Path | str,
     token_ids: list[int] | list[list[int]],
     temperature: float = 1.0,
+    dtype=torch.float32,
 ) -> torch.Tensor:
     """Exact next-token distribution(s) of the model in `model_dir`, float64.
 
     `token_ids`: one context (list of ints) -> [V]; a batch of contexts of
-    equal length -> [B, V]. Computed with transformers in float32.
+    equal length -> [B, V]. Computed with transformers in `dtype` (float32
+    unless asked otherwise).
     """
     single = bool(token_ids) and isinstance(token_ids[0], int)
     ids = torch.tensor([token_ids] if single else token_ids, dtype=torch.long)
-    logits = _load(model_dir)(ids).logits[:, -1].double()
+    logits = _load(model_dir, dtype)(ids).logits[:, -1].double()
     probs = (logits / temperature).softmax(-1)
     return probs[0] if single else probs
 
@@ -215,19 +217,20 @@ def target_next_token_probs(models: TinyModels, token_ids, temperature=1.0):
 
 
 def first_tokens_distribution(
-    model_dir: pathlib.Path | str, prompt: list[int], num_tokens: int = 2
+    model_dir: pathlib.Path | str, prompt: list[int], num_tokens: int = 2,
+    dtype=torch.float32,
 ) -> torch.Tensor:
     """Exact joint distribution of the first `num_tokens` generated tokens.
 
     Returns a float64 tensor of shape [V] * num_tokens (temperature 1).
     """
-    joint = next_token_probs(model_dir, prompt)  # [V]
+    joint = next_token_probs(model_dir, prompt, dtype=dtype)  # [V]
     vocab = joint.shape[0]
     for depth in range(1, num_tokens):
         # Every prefix of length `depth`, in row-major order of `joint`.
         prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * depth)
         prefixes = prefixes.reshape(-1, depth)
         contexts = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
-        cond = next_token_probs(model_dir, contexts.tolist())  # [V**depth, V]
+        cond = next_token_probs(model_dir, contexts.tolist(), dtype=dtype)  # [V**depth, V]
         joint = (joint.reshape(-1, 1) * cond).reshape([vocab] * (depth + 1))
     return joint
