@@ -13,8 +13,8 @@ graphs for steps of any draft length). Four chi-square tests at ALPHA =
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.4-2.6 at N = 4000, which lift each
 test's false-positive rate to at most 2e-3 (8e-3 for the run;
-tests/vllm/test_bf16_resolution.py keeps this checked; the GPU's kernels
-round differently from the CPU's, by amounts of the same order).
+tests/vllm/test_bf16_resolution.py keeps this checked on the CPU; the
+GPU's kernels round differently, assumed of the same order, not measured).
 Negative control, in bfloat16: the same engine with a token-dependent
 admission rule (VLLM_AV_TEST_LOSSY_ADMISSION) must be caught (p < ALPHA on
 token 2 or the joint of tokens 1-2), which shows the test has power on
