@@ -5,7 +5,9 @@ One in-process engine per arm on the tiny random pair of the tests
 to --max-tokens: `plain` (no speculation) and `ours_depth0` (our AV with a
 cost table that makes drafting prohibitive, so every step but the periodic
 exploration ones runs at depth 0). Prints ms per step for both and, with
---profile, the functions of ours' steps with the most cumulative time.
+--profile, the functions of ours' steps with the most cumulative time and
+both arms' profiled time per step by area of code (ours, vLLM's scheduler,
+sampling, runner, model, torch, ...).
 
     python benchmarks/depth_zero_overhead.py --out benchmarks/results/depth_zero_overhead_cpu.json
 """
@@ -53,8 +55,31 @@ def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> d
         stats.print_stats(40)
         stats.print_stats("vllm_av", 25)  # ours alone
         out["profile_top"] = s.getvalue()
+        out["profiled_ms_per_step_by_area"] = time_by_area(stats, max_tokens)
     shutdown(llm)
     return out
+
+
+# Where a profiled step's own time (cProfile tottime) is spent, by the code
+# it is spent in; first match wins.
+AREAS = (
+    ("vllm_av", "/vllm_av/"),
+    ("vllm scheduler + KV cache manager", "/vllm/v1/core/"),
+    ("vllm sampling (sampler, rejection sampler)", "/vllm/v1/sample/"),
+    ("vllm spec decode", "/vllm/v1/spec_decode/"),
+    ("vllm model runner + worker", "/vllm/v1/worker/"),
+    ("vllm model + layers", "/vllm/model_executor/"),
+    ("vllm other", "/vllm/"),
+    ("torch", "/torch/"),
+)
+
+
+def time_by_area(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        area = next((a for a, part in AREAS if part in filename), "other (python, builtins)")
+        out[area] = out.get(area, 0.0) + tottime * 1000 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> int:
@@ -77,12 +102,14 @@ def main() -> int:
               "cpus": os.cpu_count(), "runs": []}
     for c in [int(x) for x in opts.concurrency.split(",")]:
         for arm, spec in (("plain", None), ("ours_depth0", ours)):
-            r = run_arm(models, spec, c, opts.max_tokens, opts.profile and arm != "plain")
+            r = run_arm(models, spec, c, opts.max_tokens, opts.profile)
             r["arm"] = arm
             result["runs"].append(r)
             print(f"[{arm}] C={c}: {r['ms_per_step']:.2f} ms per step")
-            if "profile_top" in r:
+            if "profile_top" in r and arm != "plain":
                 print(r["profile_top"])
+            for area, ms in r.get("profiled_ms_per_step_by_area", {}).items():
+                print(f"    {area}: {ms:.3f} ms per step (profiled)")
     if opts.out:
         opts.out.write_text(json.dumps(result, indent=1))
     return 0
