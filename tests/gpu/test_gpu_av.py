@@ -89,6 +89,17 @@ def common_prefix(a, b) -> int:
     return n
 
 
+def assert_agrees(outs, plain, label: str, counts: dict | None = None) -> None:
+    """Every output agrees with no speculation on a long common prefix and
+    most match exactly (see the module docstring); prints the counts."""
+    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(outs, plain)]
+    exact = sum(a == b for a, b in zip(outs, plain))
+    print(f"{label}: exact matches {exact}/{len(outs)}; mean common prefix "
+          f"{sum(prefix)/len(prefix):.2f}" + (f"; spec counts {counts}" if counts is not None else ""))
+    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
+    assert exact >= len(outs) // 2
+
+
 @pytest.fixture(scope="module")
 def plain_outputs():
     return run_engine(None, eager=True, env_extra={})
@@ -98,11 +109,7 @@ def test_our_av_starts_eager_on_the_v1_runner_and_keeps_greedy_outputs(plain_out
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     ours = run_engine(spec, eager=True, env_extra={"VLLM_USE_V2_MODEL_RUNNER": "0"})
-    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
-    exact = sum(a == b for a, b in zip(ours, plain_outputs))
-    print(f"exact matches {exact}/{len(ours)}; mean common prefix {sum(prefix)/len(prefix):.2f}")
-    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
-    assert exact >= len(ours) // 2
+    assert_agrees(ours, plain_outputs, "eager")
 
 
 def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
@@ -131,12 +138,8 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     ours = run_engine(spec, eager=False, counts=counts, env_extra={
         "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth},
         llm_args={"async_scheduling": async_scheduling})
-    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(ours, plain_outputs)]
-    exact = sum(a == b for a, b in zip(ours, plain_outputs))
-    print(f"graphs (adaptive depth {adaptive_depth}, async {async_scheduling}): exact matches {exact}/{len(ours)}; "
-          f"mean common prefix {sum(prefix)/len(prefix):.2f}; spec counts {counts}")
-    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
-    assert exact >= len(ours) // 2
+    assert_agrees(ours, plain_outputs,
+                  f"graphs (adaptive depth {adaptive_depth}, async {async_scheduling})", counts)
     if adaptive_depth == "0":
         assert counts.get("num_draft_tokens", 0) > 0
         assert counts.get("num_accepted_tokens", 0) > 0
@@ -156,10 +159,5 @@ def test_other_speculative_arms_keep_greedy_outputs(plain_outputs, arm):
         env = {"VLLM_AV_IMPL": "off"}
     counts: dict = {}
     outs = run_engine(spec, eager=False, counts=counts, env_extra=env)
-    prefix = [common_prefix(a, b) / MAX_TOKENS for a, b in zip(outs, plain_outputs)]
-    exact = sum(a == b for a, b in zip(outs, plain_outputs))
-    print(f"{arm}: exact matches {exact}/{len(outs)}; mean common prefix "
-          f"{sum(prefix)/len(prefix):.2f}; spec counts {counts}")
-    assert sum(prefix) / len(prefix) >= MIN_MEAN_PREFIX_FRACTION
-    assert exact >= len(outs) // 2
+    assert_agrees(outs, plain_outputs, arm, counts)
     assert counts.get("num_draft_tokens", 0) > 0
