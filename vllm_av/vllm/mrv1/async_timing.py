@@ -78,6 +78,11 @@ class AsyncStepClock:
         self.current: _Step | None = None
         self.pending: deque[_Step] = deque(maxlen=MAX_PENDING)
 
+    @property
+    def timing(self) -> bool:
+        """Whether the current step is one being timed."""
+        return self.current is not None
+
     def step_started(self, num_tokens: int) -> None:
         self.steps += 1
         self.current = None

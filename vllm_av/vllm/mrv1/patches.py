@@ -210,16 +210,19 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
     options = getattr(runner, _OPTIONS_ATTR, None)
     depth = scheduler_output.num_spec_tokens_to_schedule
     clock = _async_clock(runner)
-    if clock is not None:
+    timed = clock is not None and clock.timing
+    if timed:
         clock.drafting_starts()
     if depth == 0 and options is not None and options.zero_depth_skips_drafter:
         out = _skip_drafter_async(runner, sampled_token_ids)
     else:
         out = _draft_scheduled(runner, verifier, orig, scheduler_output,
                                sampled_token_ids, *args, **kwargs)
-    if clock is not None:
+    if timed:
         clock.drafting_done(depth, _num_decoding(runner))
+    if clock is not None:
         clock.collect(verifier)
+    _maybe_write_metrics(runner, verifier)
     return out
 
 
@@ -249,7 +252,6 @@ def _draft_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids
                 _features(recorded, num_reqs, num_drafted, verifier.K),
                 num_drafted, num_sampling=n, num_other_tokens=n, admit_all=True,
             )
-    _maybe_write_metrics(runner, verifier)
     return drafts
 
 
@@ -267,7 +269,6 @@ def _skip_drafter_async(runner, sampled_token_ids):
             runner.discard_request_mask.gpu,
         )
         runner._copy_valid_sampled_token_count(next_token_ids, valid_counts)
-    _maybe_write_metrics(runner, verifier_of(runner))
     num_reqs = runner.input_batch.num_reqs
     if torch.is_tensor(sampled_token_ids):
         return torch.empty(num_reqs, 0, device=sampled_token_ids.device, dtype=torch.int64)
@@ -567,8 +568,6 @@ class RunnerForgetPatch(VllmPatch):
 
 _PENDING_OBSERVE_ATTR = "_vllm_av_pending_observe"
 _PREV_SPEC_ATTR = "_vllm_av_prev_spec"
-
-
 _ASYNC_CLOCK_ATTR = "_vllm_av_async_clock"
 
 
