@@ -114,6 +114,15 @@ def test_greedy_outputs_identical_to_no_speculation(greedy_runs):
     assert ours == ref
 
 
+def test_drafting_after_plain_steps_keeps_greedy_outputs(explore_run, greedy_runs):
+    """Depth-0 steps run as plain decoding (plain_step.py) and the drafter
+    then resumes from a step without spec-decode metadata: the outputs stay
+    those of no speculation."""
+    ours, _ = explore_run
+    _, ref, _ = greedy_runs
+    assert [o[:MAX_TOKENS] for o in ours] == ref
+
+
 def test_prohibitive_drafting_makes_most_steps_draft_nothing(greedy_runs):
     _, _, s = greedy_runs
     assert s["depth_steps"] >= MAX_TOKENS // 2

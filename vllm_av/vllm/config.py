@@ -105,6 +105,11 @@ class AVOptions:
     # output distribution. Off: the drafter still runs its first forward to
     # keep its KV cache whole (one draft forward per step, always paid).
     zero_depth_skips_drafter: bool = True
+    # A step that verifies no draft (depth 0, or no request drafted) runs
+    # as vLLM's plain decoding step: no spec-decode metadata, no rejection
+    # sampler (vllm_av/vllm/mrv1/plain_step.py). Off: vLLM's V1 path, which
+    # verifies zero drafts per request.
+    plain_zero_draft_steps: bool = True
     # Correct the cost tables from timed steps (every 4th step: drafting,
     # and the rest of the step). Off: plan with the profiled or loaded
     # table exactly as it is (tests that pin a table do).

@@ -1,0 +1,77 @@
+"""A step that verifies no draft runs as plain decoding (Model Runner V1).
+
+With a drafter configured, vLLM 0.32's V1 runner treats every step as a
+speculative one: it builds spec-decode metadata (index arithmetic and five
+host-to-device copies) and samples through the rejection sampler, even when
+no request carries a draft. Under adaptive depth most steps at high load
+are such steps, and on a GPU at small batch that host work and those extra
+launches are a visible share of a step. A step with no scheduled draft is a
+plain decoding step in all but name, so we let the runner prepare it as one.
+"""
+
+from __future__ import annotations
+
+from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.patching import VllmPatch
+
+_ENABLED_ATTR = "_vllm_av_plain_steps"
+
+
+def _attention_only(runner) -> bool:
+    """Recurrent (Mamba-style) layers read their state at an offset only the
+    speculative path applies, so vLLM keeps their zero-draft decode rows on
+    that path; we leave such models alone."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    config = getattr(runner, "kv_cache_config", None)
+    if config is None:
+        return False
+    return all(isinstance(g.kv_cache_spec, AttentionSpec) for g in config.kv_cache_groups)
+
+
+def plain_steps_enabled(runner) -> bool:
+    enabled = getattr(runner, _ENABLED_ATTR, None)
+    if enabled is None:
+        options = av_options_of(runner.vllm_config)
+        enabled = (options is not None and options.plain_zero_draft_steps
+                   and runner.speculative_config is not None and _attention_only(runner))
+        setattr(runner, _ENABLED_ATTR, enabled)
+    return enabled
+
+
+class PlainZeroDraftStepPatch(VllmPatch):
+    """Prepare a step that verifies no draft as a plain decoding step.
+
+    Target: vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs
+    Why: vLLM 0.32's V1 runner builds spec-decode metadata and runs its
+        rejection sampler on every step once a drafter is configured, drafts
+        or none; steps of drafting depth 0 (most steps at high load under
+        our adaptive depth) pay for verification that verifies nothing.
+    How: when our AV serves the runner, the model is attention-only and the
+        scheduler output carries no draft token, call the original with the
+        runner's `speculative_config` set to None for the call, so it
+        returns vLLM's no-speculation result (logits at each request's last
+        token, no metadata); the step then samples with the plain sampler,
+        and a drafter called after it takes its no-metadata path (input up
+        to the last scheduled token). The sampled tokens and the
+        distribution are those of the speculative path with zero drafts:
+        target-only sampling either way.
+    Upstream: skip spec-decode metadata and the rejection sampler when a
+        step schedules no draft.
+    Remove when: vLLM's V1 runner does that itself.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+    attributes = ("_prepare_inputs",)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        orig = type(self)._orig__prepare_inputs
+        if scheduler_output.scheduled_spec_decode_tokens or not plain_steps_enabled(self):
+            return orig(self, scheduler_output, *args, **kwargs)
+        spec_config = self.speculative_config
+        self.speculative_config = None
+        try:
+            return orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec_config
