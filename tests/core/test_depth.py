@@ -14,6 +14,8 @@ from vllm_av.core.verifier import (
     EXPLORE_HOPELESS_TIME_SHARE,
     EXPLORE_MAX_TIME_SHARE,
     EXPLORE_MIN_INTERVAL,
+    CALIBRATION_MIN_SAMPLES,
+    CALIBRATION_WINDOW,
     AdaptiveVerifier,
 )
 
@@ -263,6 +265,30 @@ def test_measured_step_time_corrects_the_verification_table():
     v.observe_verify_time(0, 5.0)
     v.observe_verify_time(300, float("inf"))
     assert cost.verify(300) == pytest.approx(before[300])
+
+
+def test_one_freak_step_time_does_not_reprice_every_size():
+    """One step measured 100x its profile (a first-use initialisation, a
+    stall) must not become the table: trusted alone, a one-token step at
+    100x lifts the whole monotone verification table above every drafting
+    cost, and depth 0 is never chosen (or re-measured) again."""
+    verify = {1: [2.0], 4096: [2.2]}
+    v = _verifier(draft_ms=40.0, verify=verify)  # a dear drafter: depth 0 wins
+    ids = _ids(1)
+    assert v.choose_depth(ids, 1, 1) == 0
+    before = v.cost.verify_cost_range(0, 64).copy()
+    v.observe_verify_time(1, 100 * 2.0)
+    np.testing.assert_allclose(v.cost.verify_cost_range(0, 64), before)
+    assert v.choose_depth(ids, 1, 1) == 0
+    # Later measurements as profiled outvote it.
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        v.observe_verify_time(1, 2.0)
+    assert v.cost.verify_cost(1) == pytest.approx(2.0)
+    # A level that holds is adopted once it has CALIBRATION_MIN_SAMPLES.
+    for i in range(CALIBRATION_WINDOW):
+        v.observe_verify_time(300, 3.0 * float(v.cost.verify.table(301)[300]))
+        assert (8 in v.cost.verify_scale) == (i + 1 >= CALIBRATION_MIN_SAMPLES)
+    assert v.cost.verify_scale[8] == pytest.approx(3.0)
 
 
 def test_budget_sizing_reads_the_corrected_table():

@@ -233,6 +233,7 @@ def test_every_fourth_step_is_timed_up_to_drafting():
     verification table of its token count."""
     from types import SimpleNamespace
 
+    from vllm_av.core.verifier import CALIBRATION_MIN_SAMPLES
     from vllm_av.vllm.mrv1.patches import (
         DRAFT_TIMING_INTERVAL,
         RunnerAdmitPatch,
@@ -241,13 +242,14 @@ def test_every_fourth_step_is_timed_up_to_drafting():
 
     runner, _ = _fake_runner(depth_zero_cost=1e5, skip=True)
     verifier = runner._vllm_av_verifier
-    for step in range(1, 2 * DRAFT_TIMING_INTERVAL + 1):
+    for step in range(1, CALIBRATION_MIN_SAMPLES * DRAFT_TIMING_INTERVAL + 1):
         so = SimpleNamespace(num_spec_tokens_to_schedule=K, finished_req_ids=set(),
                              preempted_req_ids=None, total_num_scheduled_tokens=300)
         RunnerForgetPatch._update_states(runner, so)
         RunnerAdmitPatch.propose_draft_token_ids(runner, so, [[1]] * 4)
         timed = step // DRAFT_TIMING_INTERVAL
         assert len(verifier._verify_log_scale) == min(timed, 1)
+        assert bool(verifier.cost.verify_scale) == (timed >= CALIBRATION_MIN_SAMPLES)
     # 300 tokens: bucket 8; the measured time (microseconds here) is far
     # below the profiled 1 ms, so the scale dropped.
     assert list(verifier.cost.verify_scale) == [8]

@@ -35,6 +35,7 @@ model-free ones.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,26 +155,35 @@ EXPLORE_MAX_TIME_SHARE = 0.05
 EXPLORE_HOPELESS_TIME_SHARE = 0.01
 # Measured drafting times correct the profiled drafting tables (per depth),
 # and measured step times the verification table (per power-of-two bucket
-# of token counts), each exponentially weighted in log space with this
-# weight per measurement. Start-up profiles time dummy runs, which can miss
-# what real steps pay: on the H200 with vLLM 0.32, real draft-model steps
-# cost 4-12x their profiled dummy runs (the drafter ran outside CUDA graphs),
-# and the profiled verification (attention over a synthetic long context)
-# was 1.5-2x the real target step. Ratios are clipped to this range.
-CALIBRATION_WEIGHT = 0.2
+# of token counts): the correction at a key is the median of its last
+# CALIBRATION_WINDOW measured / profiled ratios, used once it has
+# CALIBRATION_MIN_SAMPLES of them (until then the nearest corrected key's
+# stands in). Start-up profiles time dummy runs, which can miss what real
+# steps pay: on the H200 with vLLM 0.32, real draft-model steps cost 4-12x
+# their profiled dummy runs (the drafter ran outside CUDA graphs), and the
+# profiled verification (attention over a synthetic long context) was
+# 1.5-2x the real target step. The median, not a running mean, because one
+# freak measurement (a first-use initialisation, a stall) can be 100x the
+# rest: trusted alone, it priced one-token steps at 100x on the H200 (sixth
+# round, async scheduling), the monotone verification table carried that
+# to every size, and depth 0, never chosen again at that size, was never
+# re-measured. Ratios are clipped to this range.
+CALIBRATION_WINDOW = 7
+CALIBRATION_MIN_SAMPLES = 3
 CALIBRATION_CLIP = (0.05, 100.0)
 # Feature (logit(q_max)) given to undrafted slots before any slot at that
 # position was drafted: q_max = 0.88, a confident drafter.
 UNDRAFTED_FEATURE = 2.0
 
 
-def _update_scale(log_scales: dict, key: int, ratio: float) -> float:
-    """Fold one measured / predicted ratio into the running (log-space,
-    exponentially weighted) correction at `key`; returns the correction."""
-    x = float(np.log(np.clip(ratio, *CALIBRATION_CLIP)))
-    prev = log_scales.get(key)
-    log_scales[key] = x if prev is None else (1 - CALIBRATION_WEIGHT) * prev + CALIBRATION_WEIGHT * x
-    return float(np.exp(log_scales[key]))
+def _update_scale(log_ratios: dict, key: int, ratio: float) -> float | None:
+    """Add one measured / predicted ratio at `key`; the correction (median
+    of the last CALIBRATION_WINDOW, in log space) once there are enough."""
+    recent = log_ratios.setdefault(key, deque(maxlen=CALIBRATION_WINDOW))
+    recent.append(float(np.log(np.clip(ratio, *CALIBRATION_CLIP))))
+    if len(recent) < CALIBRATION_MIN_SAMPLES:
+        return None
+    return float(np.exp(np.median(recent)))
 
 
 class AdaptiveVerifier:
@@ -224,8 +234,9 @@ class AdaptiveVerifier:
         # since the last exploration step.
         self._last_depth: int | None = None
         self._since_explore = 0
-        self._draft_log_scale: dict[int, float] = {}
-        self._verify_log_scale: dict[int, float] = {}
+        # Recent log(measured / profiled) per depth and per token bucket.
+        self._draft_log_scale: dict[int, deque] = {}
+        self._verify_log_scale: dict[int, deque] = {}
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -311,7 +322,9 @@ class AdaptiveVerifier:
         if predicted <= 1e-6:
             return
         bucket = int(np.floor(np.log2(num_tokens)))
-        self.cost.set_verify_scale(bucket, _update_scale(self._verify_log_scale, bucket, ms / predicted))
+        scale = _update_scale(self._verify_log_scale, bucket, ms / predicted)
+        if scale is not None:
+            self.cost.set_verify_scale(bucket, scale)
 
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,
@@ -321,7 +334,9 @@ class AdaptiveVerifier:
         predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
         if predicted <= 1e-6:
             return  # nothing profiled to correct (model-free drafters)
-        self.cost.set_draft_scale(depth, _update_scale(self._draft_log_scale, depth, ms / predicted))
+        scale = _update_scale(self._draft_log_scale, depth, ms / predicted)
+        if scale is not None:
+            self.cost.set_draft_scale(depth, scale)
 
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K
