@@ -197,6 +197,8 @@ class CostModel:
 
     def set_verify_scale(self, bucket: int, factor: float) -> None:
         """The measured correction of token-count bucket floor(log2 n)."""
+        if self.verify_scale.get(int(bucket)) == float(factor):
+            return  # a median often stays put: keep the scaled table
         self.verify_scale[int(bucket)] = float(factor)
         self._scaled = None
 

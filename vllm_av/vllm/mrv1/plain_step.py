@@ -17,24 +17,26 @@ from vllm_av.vllm.patching import VllmPatch
 _ENABLED_ATTR = "_vllm_av_plain_steps"
 
 
-def _attention_only(runner) -> bool:
+def _attention_only(kv_cache_config) -> bool:
     """Recurrent (Mamba-style) layers read their state at an offset only the
     speculative path applies, so vLLM keeps their zero-draft decode rows on
     that path; we leave such models alone."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    config = getattr(runner, "kv_cache_config", None)
-    if config is None:
-        return False
-    return all(isinstance(g.kv_cache_spec, AttentionSpec) for g in config.kv_cache_groups)
+    return all(isinstance(g.kv_cache_spec, AttentionSpec) for g in kv_cache_config.kv_cache_groups)
 
 
 def plain_steps_enabled(runner) -> bool:
+    """Decided once per runner, after its KV cache layout is known."""
     enabled = getattr(runner, _ENABLED_ATTR, None)
     if enabled is None:
+        kv_cache_config = getattr(runner, "kv_cache_config", None)
+        if kv_cache_config is None:
+            return False
         options = av_options_of(runner.vllm_config)
         enabled = (options is not None and options.plain_zero_draft_steps
-                   and runner.speculative_config is not None and _attention_only(runner))
+                   and runner.speculative_config is not None
+                   and _attention_only(kv_cache_config))
         setattr(runner, _ENABLED_ATTR, enabled)
     return enabled
 
