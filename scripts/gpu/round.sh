@@ -155,27 +155,31 @@ more_arms() {
 
 if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # The short round on one GPU, one thing at a time, what matters most
-  # first: ours (both schedulings) against no speculation (V1, V2); the
-  # distribution test (float32 and bfloat16); the breakdown of a V1
-  # drafting step (K=3); the greedy tests of vLLM's AV and fixed K=3
-  # (ours passed under graphs in the fifth round); the piecewise control
-  # last (measured in the fifth round).
-  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec} QUIET= main_sweep
+  # first: ours (both schedulings) against no speculation (V1, V2), vLLM's
+  # AV and the ngram arms, all in one lane; then the greedy tests of vLLM's
+  # AV and fixed K=3 (ours passed under graphs in the fifth round). The
+  # distribution test and the K=3 breakdown (sixth round) and the
+  # piecewise control (fifth) come last, if device time is left.
+  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  CUDA_VISIBLE_DEVICES=0 AV_TESTS="other_speculative" av_tests
   CUDA_VISIBLE_DEVICES=0 lossless_test
   BREAKDOWN_ARMS=k3v1 breakdown 0
-  CUDA_VISIBLE_DEVICES=0 AV_TESTS="other_speculative" av_tests
   piecewise_sweep
   log "done"
   touch "$RES/DONE"
   exit 0
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
-  # The short round: ours (both schedulings) against no speculation (V2,
-  # V1, V1 synchronous) and vLLM's AV on GPU 0; the engine tests, the
-  # piecewise control, then the step breakdown, on GPU 1.
-  ( GPU=1; engine_tests 1; piecewise_sweep; breakdown 1 ) &
+  # The short round on two GPUs. GPU 0: ours (both schedulings) against no
+  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: the greedy
+  # tests of vLLM's AV and fixed K=3, then ours against fixed K=1/3/5/7 in
+  # their own lane (h200_sweep_b; compare within a lane), then the
+  # distribution test and the K=3 breakdown (sixth round) if time is left.
+  ( GPU=1; export CUDA_VISIBLE_DEVICES=1; AV_TESTS="other_speculative" av_tests
+    RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1,k3,k5,k7}" --quiet-start none
+    lossless_test; breakdown 1 ) &
   LANE1=$!
-  ARMS=ours,ours_async,nospec,nospecv1,nospecv1sync,vllm_av QUIET= main_sweep
+  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"
