@@ -33,15 +33,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 K, NUM_PROMPTS, MAX_TOKENS = 7, 16, 100
 
 
-def run_arm(plain_steps: bool) -> dict:
+def run_arm(plain_steps: bool, draft_head_size: int = 0) -> dict:
     from conftest import make_llm
     from test_av_engine import prompts
-    from tiny_models import build_tiny_models
+    from tiny_models import build_draft_with_head_size, build_tiny_models
 
     from vllm_av.core.cost_model import CostModel
 
     tmp = Path(tempfile.mkdtemp(prefix="zero-draft-"))
     models = build_tiny_models(tmp / "models")
+    if draft_head_size:
+        models = build_draft_with_head_size(models, draft_head_size)
     table = tmp / "cost.json"
     table.write_text(CostModel.from_samples({1: [1.0], 512: [1.0]}, {1: [4.0], 64: [4.0]},
                                             graph_sizes=[]).to_json())
@@ -76,15 +78,20 @@ def run_arm(plain_steps: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", choices=("on", "off"))
+    ap.add_argument("--draft-head-size", type=int, default=0,
+                    help="a random draft with one attention head of this size (the "
+                         "target's is 32): both models' layers then share one KV cache "
+                         "group of mixed page sizes, as the real Qwen2.5-Coder pair's do")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.arm:
-        print(json.dumps(run_arm(args.arm == "on")))
+        print(json.dumps(run_arm(args.arm == "on", args.draft_head_size)))
         return
     arms = {}
     for arm in ("on", "off"):
         print(f"[zero-draft] arm {arm} ...", flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--arm", arm], capture_output=True,
+        proc = subprocess.run([sys.executable, __file__, "--arm", arm,
+                               "--draft-head-size", str(args.draft_head_size)], capture_output=True,
                               text=True, check=True)
         arms[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"[zero-draft] arm {arm}: {arms[arm]['rejection_sampler_steps']} of "
@@ -94,6 +101,7 @@ def main() -> None:
         a.pop("outputs")
     result = {"date": time.strftime("%Y-%m-%d"), "machine": "CPU", "K": K,
               "num_prompts": NUM_PROMPTS, "max_tokens": MAX_TOKENS,
+              "draft_head_size": args.draft_head_size or None,
               "outputs_identical": same, "arms": arms}
     print(json.dumps(result, indent=1))
     if args.out:

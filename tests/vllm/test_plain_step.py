@@ -62,3 +62,32 @@ def test_recurrent_layers_keep_the_speculative_path():
 
     mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(None,))
     assert prepare(Runner(AVOptions(), spec_types=[mamba]), {}) is SPEC
+
+
+def _uniform_group(*layer_specs):
+    """vLLM's wrapper for layers of one type but different page sizes
+    (UniformTypeKVCacheSpecs), as it builds for the real Qwen2.5-Coder pair:
+    the 0.5B draft's head size (64) differs from the 1.5B target's (128)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    return UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs={f"layer.{i}": s for i, s in enumerate(layer_specs)})
+
+
+def test_layers_of_different_head_sizes_in_one_group_are_still_attention_only():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    target = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=None)
+    draft = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=None)
+    runner = Runner(AVOptions(), spec_types=[_uniform_group(target, draft)])
+    assert prepare(runner, {}) is None
+    assert prepare(runner, {"r0": [5]}) is SPEC
+
+
+def test_a_recurrent_layer_inside_the_wrapper_keeps_the_speculative_path():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    attn = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=None)
+    mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(None,))
+    runner = Runner(AVOptions(), spec_types=[_uniform_group(attn, mamba)])
+    assert prepare(runner, {}) is SPEC

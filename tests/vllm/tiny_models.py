@@ -178,6 +178,25 @@ def build_tiny_models(
     return TinyModels(target_dir, draft_dir, vocab_size)
 
 
+def build_draft_with_head_size(models: TinyModels, head_size: int, seed: int = SEED) -> TinyModels:
+    """A random-weight draft whose attention head size differs from the
+    target's (one head of `head_size`), as Qwen2.5-Coder 0.5B's (64) does
+    from 1.5B's (128): vLLM then keeps both models' layers in one KV cache
+    group of mixed page sizes. Same tokenizer; returns the pair with it."""
+    from transformers import LlamaForCausalLM
+
+    draft_dir = models.draft.parent / f"draft_head{head_size}"
+    if not (draft_dir / "config.json").exists():
+        config = _llama_config(models.vocab_size)
+        config.num_attention_heads = config.num_key_value_heads = 1
+        config.head_dim = head_size
+        torch.manual_seed(seed)
+        draft_dir.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(draft_dir, models.vocab_size)
+        LlamaForCausalLM(config).float().save_pretrained(draft_dir, safe_serialization=True)
+    return TinyModels(models.target, draft_dir, models.vocab_size)
+
+
 _MODEL_CACHE: dict[str, object] = {}
 
 

@@ -17,13 +17,23 @@ from vllm_av.vllm.patching import VllmPatch
 _ENABLED_ATTR = "_vllm_av_plain_steps"
 
 
+def _layer_specs(group_spec):
+    """The per-layer specs of a KV cache group: vLLM wraps layers of one
+    type but different page sizes (a draft model whose head size differs
+    from the target's, as Qwen2.5-Coder 0.5B's does from 1.5B's) in a
+    UniformTypeKVCacheSpecs that is no AttentionSpec itself."""
+    inner = getattr(group_spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) else [group_spec]
+
+
 def _attention_only(kv_cache_config) -> bool:
     """Recurrent (Mamba-style) layers read their state at an offset only the
     speculative path applies, so vLLM keeps their zero-draft decode rows on
     that path; we leave such models alone."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    return all(isinstance(g.kv_cache_spec, AttentionSpec) for g in kv_cache_config.kv_cache_groups)
+    specs = [s for g in kv_cache_config.kv_cache_groups for s in _layer_specs(g.kv_cache_spec)]
+    return bool(specs) and all(isinstance(s, AttentionSpec) for s in specs)
 
 
 def plain_steps_enabled(runner) -> bool:
