@@ -33,9 +33,11 @@ OUT=${OUT:-/tmp/out}
 RES=/tmp/results
 JOBLOG=$RES/job.log
 
-pack() {
+pack() {  # a compacted copy: uncompacted sweep results outgrow what a call brings back
   mkdir -p "$OUT"
-  tar czf "$OUT/results.tgz.tmp" -C "$RES" . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  rm -rf /tmp/pack && cp -r "$RES" /tmp/pack
+  for d in /tmp/pack/*/; do python3 benchmarks/sweep.py compact "$d" > /dev/null 2>&1; done
+  tar czf "$OUT/results.tgz.tmp" -C /tmp/pack . 2>/dev/null && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 }
 
 case "$MODE" in
