@@ -229,6 +229,42 @@ def test_measured_drafting_time_corrects_the_profiled_table():
     assert v.cost.draft_cost(4) == pytest.approx(10.0, rel=1e-3)
 
 
+def test_model_free_drafting_is_priced_from_measured_steps():
+    # ngram / suffix: nothing profiled (a zero drafting table), so the
+    # measured time of a drafting step is its cost, charged at every depth
+    # >= 1 (one lookup proposes all K) and not at depth 0 (skipped).
+    v = _verifier(draft_ms=0.0)
+    v.cost.free_zero_depth = True
+    ids = _ids(8)
+    assert v.choose_depth(ids, 8, 8) == K  # drafting looks free
+    assert v.cost.draft_cost_at_depth(8, K, K) == 0.0
+    for ms in (5.0, 5.0):
+        v.observe_draft_time(K, 8, ms)
+    assert v.cost.draft_measured == {}  # fewer than CALIBRATION_MIN_SAMPLES
+    v.observe_draft_time(3, 8, 5.0)
+    assert v.cost.draft_measured == {3: 5.0}  # bucket floor(log2 8)
+    for d in (1, 3, K):
+        assert v.cost.draft_cost_at_depth(8, d, K) == pytest.approx(5.0)
+    assert v.cost.draft_cost(8) == pytest.approx(5.0)
+    assert v.cost.draft_cost_at_depth(8, 0, K) == 0.0
+    # Other request counts take the nearest measured bucket's cost.
+    np.testing.assert_allclose(v.cost.draft_cost_at_depth(np.array([1, 64]), 2, K), [5.0, 5.0])
+    # A 5 ms lookup in a 1 ms step does not pay for drafts accepted at the
+    # prior's rate: depth 0 (plain decoding) between explorations.
+    assert v.choose_depth(ids, 8, 8) == 0
+    # One freak interval leaves the median where it was.
+    v.observe_draft_time(K, 8, 500.0)
+    assert v.cost.draft_measured[3] == pytest.approx(5.0)
+
+
+def test_profiled_drafters_keep_ratio_corrections_only():
+    v = _costly_drafter(draft_ms=1.0)
+    for _ in range(5):
+        v.observe_draft_time(K, 4, 3.0)
+    assert v.cost.draft_measured == {}
+    assert v.cost.draft_cost(4) == pytest.approx(3.0, rel=1e-3)
+
+
 def test_calibration_moves_the_depth_decision():
     # Verification nearly free per token, drafting profiled as cheap: full
     # depth. Measured drafting 100x dearer than profiled: depth 0.

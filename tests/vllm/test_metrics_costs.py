@@ -44,3 +44,20 @@ def test_timed_steps_show_as_cost_scales(tmp_path):
     verify = {s.labels["tokens_log2"]: s.value for s in fams["vllm_av:verify_cost_scale"].samples}
     assert list(draft) == [str(K)] and draft[str(K)] > 6, draft
     assert list(verify) == ["4"] and np.isclose(verify["4"], 1.0, rtol=0.05), verify
+
+
+def test_measured_cost_of_a_model_free_drafter_shows(tmp_path):
+    # ngram / suffix: a zero drafting profile, so timed drafting steps are
+    # kept as measured costs, not ratios.
+    cost = CostModel.from_samples({1: [1.0], 64: [2.0]}, {1: [0.0]}, graph_sizes=[])
+    v = AdaptiveVerifier(K, cost, OnlineAcceptanceEstimator(K))
+    write_snapshot(str(tmp_path), v)
+    assert _families(tmp_path)["vllm_av:draft_cost_measured_ms"].samples == []
+    for _ in range(5):
+        v.observe_draft_time(K, 16, 1.5)
+    write_snapshot(str(tmp_path), v)
+    fams = _families(tmp_path)
+    measured = {s.labels["reqs_log2"]: s.value
+                for s in fams["vllm_av:draft_cost_measured_ms"].samples}
+    assert measured == {"4": 1.5}
+    assert fams["vllm_av:draft_cost_scale"].samples == []

@@ -33,6 +33,11 @@ forwards). `draft_cost_at_depth(r, d, K)` prices a shallower step:
 - without one (tables saved before depth resolution, model-free drafters,
   the simulator's tables), d/K of the K-deep table: one forward per depth,
   depth 0 free.
+Model-free drafters (ngram, suffix) have nothing to profile: their
+proposal is a host-side lookup. Their drafting cost is measured online
+instead (`draft_measured`, ms per drafting step by request-count bucket)
+and charged to every depth >= 1: one lookup proposes all K tokens, and a
+step of depth 0 skips it.
 
 Known weaknesses (to be beaten later): one context length, no prefill mix,
 no drift correction.
@@ -194,6 +199,27 @@ class CostModel:
         # profiled table as it is.
         self.verify_scale: dict[int, float] = {}
         self._scaled: np.ndarray | None = None  # scaled verify table, until a scale changes
+        # Measured drafting cost (ms per step) per request-count bucket
+        # (floor(log2 r)) where nothing was profiled (model-free drafters;
+        # AdaptiveVerifier.observe_draft_time); empty: none charged.
+        self.draft_measured: dict[int, float] = {}
+
+    def set_measured_draft_cost(self, bucket: int, ms: float) -> None:
+        """The measured drafting cost of request-count bucket floor(log2 r)."""
+        self.draft_measured[int(bucket)] = float(ms)
+
+    def _measured_draft(self, num_reqs):
+        """Measured drafting cost at `num_reqs` (each bucket its own, or the
+        nearest measured bucket's); zero while nothing was measured."""
+        r = np.asarray(num_reqs, dtype=np.float64)
+        if not self.draft_measured:
+            return np.zeros_like(r) if r.ndim else 0.0
+        known = np.array(list(self.draft_measured))
+        vals = np.array(list(self.draft_measured.values()))
+        buckets = np.floor(np.log2(np.maximum(r, 1)))
+        out = vals[np.abs(np.atleast_1d(buckets)[:, None] - known[None, :]).argmin(axis=1)]
+        out = np.where(np.atleast_1d(r) > 0, out, 0.0)
+        return out.reshape(r.shape) if r.ndim else float(out[0])
 
     def set_verify_scale(self, bucket: int, factor: float) -> None:
         """The measured correction of token-count bucket floor(log2 n)."""
@@ -282,7 +308,8 @@ class CostModel:
     def draft_cost(self, num_reqs):
         """Drafting cost (ms) of one step for `num_reqs` drafting requests
         (at the profiled depth K, with its measured correction if any)."""
-        return self.draft(num_reqs) * self._draft_scale(max(self.draft_scale, default=0))
+        return (self.draft(num_reqs) * self._draft_scale(max(self.draft_scale, default=0))
+                + self._measured_draft(num_reqs))
 
     def draft_cost_at_depth(self, num_reqs, depth: int, num_speculative_tokens: int):
         """Drafting cost (ms) of a step that drafts `depth` tokens for each of
@@ -291,7 +318,8 @@ class CostModel:
         depth, K = int(depth), int(num_speculative_tokens)
         if depth == 0 and self.free_zero_depth:
             return np.zeros_like(np.asarray(num_reqs, dtype=np.float64))
-        return self.profiled_draft_cost(num_reqs, depth, K) * self._draft_scale(depth)
+        cost = self.profiled_draft_cost(num_reqs, depth, K) * self._draft_scale(depth)
+        return cost + self._measured_draft(num_reqs) if depth > 0 else cost
 
     def profiled_draft_cost(self, num_reqs, depth: int, num_speculative_tokens: int):
         """`draft_cost_at_depth` from the profiled tables alone."""

@@ -237,6 +237,9 @@ class AdaptiveVerifier:
         # Recent log(measured / profiled) per depth and per token bucket.
         self._draft_log_scale: dict[int, deque] = {}
         self._verify_log_scale: dict[int, deque] = {}
+        # Recent measured drafting times per request-count bucket, for
+        # drafters with no profiled cost (model-free).
+        self._draft_ms: dict[int, deque] = {}
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -333,7 +336,14 @@ class AdaptiveVerifier:
             return
         predicted = float(self.cost.profiled_draft_cost(num_reqs, depth, self.K))
         if predicted <= 1e-6:
-            return  # nothing profiled to correct (model-free drafters)
+            # Nothing profiled (model-free drafters): the measured time is
+            # the cost, a median per request-count bucket.
+            bucket = int(np.floor(np.log2(num_reqs)))
+            recent = self._draft_ms.setdefault(bucket, deque(maxlen=CALIBRATION_WINDOW))
+            recent.append(float(ms))
+            if len(recent) >= CALIBRATION_MIN_SAMPLES:
+                self.cost.set_measured_draft_cost(bucket, float(np.median(recent)))
+            return
         scale = _update_scale(self._draft_log_scale, depth, ms / predicted)
         if scale is not None:
             self.cost.set_draft_scale(depth, scale)

@@ -42,6 +42,8 @@ def snapshot(verifier) -> dict:
         # Measured / profiled cost where timed steps corrected the tables.
         "draft_cost_scale": {str(d): f for d, f in getattr(cost, "draft_scale", {}).items()},
         "verify_cost_scale": {str(b): f for b, f in getattr(cost, "verify_scale", {}).items()},
+        "draft_cost_measured_ms": {
+            str(b): ms for b, ms in getattr(cost, "draft_measured", {}).items()},
     }
 
 
@@ -144,6 +146,16 @@ class AVCollector:
         for b, f in sorted(snap.get("verify_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
             verify.add_metric([b], f)
         yield verify
+        measured = GaugeMetricFamily(
+            f"{PREFIX}draft_cost_measured_ms",
+            "Measured drafting cost (ms per step) of a drafter with no profiled cost "
+            "(ngram, suffix), per bucket of floor(log2(requests)) (timed steps)",
+            labels=["reqs_log2"],
+        )
+        for b, ms in sorted(snap.get("draft_cost_measured_ms", {}).items(),
+                            key=lambda kv: int(kv[0])):
+            measured.add_metric([b], ms)
+        yield measured
 
 
 _registered_dirs: set[str] = set()
