@@ -118,16 +118,20 @@ engine_tests() {  # engine_tests <gpu>
   lossless_test
 }
 
-# Per-phase step times: fixed K=3 on V1 (what a V1 drafter costs under its
-# graphs) and ours.
+# Per-phase step times (scripts/gpu/step_breakdown.py) and a torch.profiler
+# op table of one batch at the first concurrency: an arm named X_async is
+# arm X served with async scheduling.
 breakdown() {  # breakdown <gpu>
   export CUDA_VISIBLE_DEVICES=$1
-  local arm
-  for arm in ${BREAKDOWN_ARMS:-k3v1 ours}; do
-    log "step breakdown $arm"
-    timeout 400 python3 scripts/gpu/step_breakdown.py --arm "$arm" --out "$RES/breakdown_$arm.json" \
-      > "$RES/breakdown_$arm.log" 2>&1
-    log "breakdown $arm exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$arm.log" | tail -5
+  local arm name extra
+  for name in ${BREAKDOWN_ARMS:-k3v1 ours}; do
+    arm=$name; extra=()
+    if [[ $arm == *_async ]]; then arm=${arm%_async}; extra=(--async-scheduling); fi
+    log "step breakdown $name"
+    timeout 400 python3 scripts/gpu/step_breakdown.py --arm "$arm" "${extra[@]}" \
+      --concurrency "${BREAKDOWN_CONC:-16,1,64}" --torch-profile "$RES/profile_$name.txt" \
+      --out "$RES/breakdown_$name.json" > "$RES/breakdown_$name.log" 2>&1
+    log "breakdown $name exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$name.log" | tail -5
   done
 }
 
@@ -173,13 +177,15 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs. GPU 0: ours (both schedulings) against no
-  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: the greedy
-  # tests of vLLM's AV and fixed K=3, then ours against fixed K=1/3/5/7 in
-  # their own lane (h200_sweep_b; compare within a lane), then the
-  # distribution test and the K=3 breakdown (sixth round) if time is left.
-  ( GPU=1; export CUDA_VISIBLE_DEVICES=1; AV_TESTS="other_speculative" av_tests
-    RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1,k3,k5,k7}" --quiet-start none
-    lossless_test; breakdown 1 ) &
+  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: per-phase
+  # breakdowns with torch profiles of plain V1 and ours, synchronous and
+  # async (where a depth-0 step's time goes), the distribution test, then
+  # ours against fixed K=1/3 in their own lane (h200_sweep_b; the seventh
+  # round ran K=1/3/5/7 and the greedy tests of vLLM's AV and K=3).
+  ( GPU=1; export CUDA_VISIBLE_DEVICES=1
+    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1 ours ours_async nospecv1_async} breakdown 1
+    lossless_test
+    RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1,k3}" --quiet-start none ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
   wait $LANE1

@@ -15,9 +15,11 @@ forward), sampling/verification (rejection sampler), drafting (the
 drafter's propose) and the rest of `sample_tokens` (bookkeeping, our
 admission feedback). The JSON holds per-phase mean ms per call and calls.
 
-Arms: nospec, kN (fixed K on vLLM's default runner, V2 on GPU), kNv1
-(fixed K on Model Runner V1), ours (our AV at K=7 on V1), vllm_av (vLLM's
-AV at K=7 on V2).
+Arms: nospec, nospecv1 (no speculation on Model Runner V1), kN (fixed K on
+vLLM's default runner, V2 on GPU), kNv1 (fixed K on Model Runner V1), ours
+(our AV at K=7 on V1), vllm_av (vLLM's AV at K=7 on V2).
+`--async-scheduling` serves any arm with async scheduling;
+`--torch-profile PATH` adds a torch.profiler op table of one batch.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def _wrap(phase: str, spec: str) -> bool:
 def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
     if arm == "nospec":
         return None, {}
+    if arm == "nospecv1":
+        return None, {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     if arm in ("ours", "vllm_av"):
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
                 "enable_adaptive_verification": True}
@@ -101,6 +105,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", default=".gpu/prompts/humaneval.jsonl")
     p.add_argument("--out", required=True)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="serve with async scheduling (ours: depth chosen when scheduled)")
+    p.add_argument("--torch-profile", default="",
+                   help="also profile one untimed batch at the first concurrency with "
+                        "torch.profiler (CPU + CUDA) and write its op table here")
     args = p.parse_args()
     spec, env = arm_config(args.arm, os.environ["DRAFT_MODEL"])
     os.environ.update(env)
@@ -113,7 +122,7 @@ def main() -> None:
              for l in open(args.prompts)]
     llm = LLM(model=os.environ["TARGET_MODEL"], dtype="bfloat16", max_model_len=4096,
               max_num_seqs=256, gpu_memory_utilization=0.4, seed=0,
-              speculative_config=spec)
+              speculative_config=spec, async_scheduling=args.async_scheduling)
     result = {"arm": args.arm, "env": env, "spec": spec, "wrapped": wrapped, "runs": []}
     for c in [int(x) for x in args.concurrency.split(",")]:
         prompts = [texts[i % len(texts)] for i in range(c)]
@@ -139,8 +148,29 @@ def main() -> None:
         print(f"[{args.arm}] c={c}: {ntok / wall:,.0f} tok/s plain, {steps} steps; "
               + ", ".join(f"{k} {v['mean_ms']:.2f} ms x{v['calls']}" for k, v in phases.items()),
               flush=True)
+    if args.torch_profile:
+        c = int(args.concurrency.split(",")[0])
+        prompts = [texts[i % len(texts)] for i in range(c)]
+        sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+        result["torch_profile"] = profile_batch(llm, prompts, sp, args.torch_profile)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def profile_batch(llm, prompts, sp, path: str) -> dict:
+    """One batch under torch.profiler (CPU and CUDA activity): the op
+    table by host time, and the steps' count for per-step reading."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = len(TIMES.get("target_step", []))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=80)
+    with open(path, "w") as f:
+        f.write(f"concurrency {len(prompts)}, {sp.max_tokens} tokens each\n{table}\n")
+    return {"concurrency": len(prompts), "table": path, "steps_before": steps0}
 
 
 if __name__ == "__main__":
