@@ -327,6 +327,57 @@ def test_one_freak_step_time_does_not_reprice_every_size():
     assert v.cost.verify_scale[8] == pytest.approx(3.0)
 
 
+def _steps_timed(v: AdaptiveVerifier, spec_ms: float, plain_known: bool) -> None:
+    """Plain steps of 8 tokens at 1 ms and speculative steps of 64 at
+    `spec_ms` (the profile: 1 ms flat), told apart or not."""
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        v.observe_verify_time(8, 1.0, plain=plain_known)
+        v.observe_verify_time(64, spec_ms)
+
+
+def test_a_step_verifying_no_draft_is_priced_as_the_plain_step_it_runs():
+    # A free drafter (ngram-like) whose speculative steps cost 10x a plain
+    # one: a step that verifies drafts pays for metadata and the rejection
+    # sampler that a plain step skips, at any draft count. Even all 7
+    # drafts of all 8 requests accepted (8x the tokens) would not pay.
+    v = _verifier(draft_ms=0.0)
+    v.cost.free_zero_depth = True
+    _steps_timed(v, 10.0, plain_known=True)
+    assert v.cost.plain_verify_cost(8) == pytest.approx(1.0)
+    assert v.cost.verify_cost(8) == pytest.approx(10.0)  # the speculative table
+    assert v.cost.verify_scale == {6: pytest.approx(10.0)}
+    assert v.cost.plain_verify_scale == {3: pytest.approx(1.0)}
+    assert v.choose_depth(_ids(8), 8, 8) == 0
+    # The budget prices B = 0 as plain: at 1.5x, drafts must be likely.
+    w = _verifier(draft_ms=0.0)
+    _steps_timed(w, 1.5, plain_known=True)
+    assert size_budget(np.full(8, 0.4), 8, 8, 8, w.cost) == 0  # (8 + 3.2) / 1.5 < 8 / 1
+    assert size_budget(np.full(8, 0.99), 8, 8, 8, w.cost) == 8
+
+
+def test_without_the_split_a_plain_bucket_makes_verification_look_free():
+    # Negative control: the same times in one table (plain steps not told
+    # apart) price speculative steps of 8..23 tokens from the plain steps'
+    # bucket, so shallow drafting looks nearly free and is chosen.
+    v = _verifier(draft_ms=0.0)
+    v.cost.free_zero_depth = True
+    _steps_timed(v, 10.0, plain_known=False)
+    assert v.cost.plain_verify_scale == {}
+    assert v.choose_depth(_ids(8), 8, 8) > 0
+
+
+def test_each_verification_table_falls_back_on_the_other():
+    v = _verifier(draft_ms=0.0)
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        v.observe_verify_time(8, 2.0, plain=True)
+    # Only plain steps measured: speculative steps are priced from them.
+    assert v.cost.verify_cost(8) == pytest.approx(2.0)
+    w = _verifier(draft_ms=0.0)
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        w.observe_verify_time(8, 2.0)
+    assert w.cost.plain_verify_cost(8) == pytest.approx(2.0)
+
+
 def test_budget_sizing_reads_the_corrected_table():
     # Profiled: extra tokens free; measured: each step costs 10x at large
     # token counts. The budget shrinks once the measurements are in.

@@ -11,10 +11,11 @@ from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock
 
 class _Verifier:
     def __init__(self):
-        self.verify, self.draft = [], []
+        self.verify, self.draft, self.plain = [], [], []
 
-    def observe_verify_time(self, num_tokens, ms):
+    def observe_verify_time(self, num_tokens, ms, plain=False):
         self.verify.append((num_tokens, round(ms, 6)))
+        self.plain.append(plain)
 
     def observe_draft_time(self, depth, num_reqs, ms):
         self.draft.append((depth, num_reqs, round(ms, 6)))
@@ -43,8 +44,8 @@ def clock(monkeypatch):
     return AsyncStepClock(device=None)
 
 
-def _step(clock, tokens, forward_ms, depth, draft_ms, reqs=4):
-    clock.step_started(tokens)
+def _step(clock, tokens, forward_ms, depth, draft_ms, reqs=4, plain=False):
+    clock.step_started(tokens, plain=plain)
     _Mark.now += forward_ms
     clock.drafting_starts()
     _Mark.now += draft_ms
@@ -91,3 +92,13 @@ def test_host_marks_measure_host_time():
     a = async_timing.mark(None)
     b = async_timing.mark("cpu")
     assert a.ready() and b.ready() and b.ms_since(a) >= 0.0
+
+
+def test_a_plain_step_is_timed_into_the_plain_table(clock):
+    # A step that verifies no draft runs as plain decoding: its interval
+    # corrects the plain verification table (observe_verify_time(plain=True)).
+    v = _Verifier()
+    for i in range(2 * TIMING_INTERVAL):
+        _step(clock, tokens=8, forward_ms=2.0, depth=0, draft_ms=0.0, plain=i < TIMING_INTERVAL)
+        clock.collect(v)
+    assert v.verify == [(8, 2.0), (8, 2.0)] and v.plain == [True, False]

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_av.vllm.config import ADDITIONAL_CONFIG_KEY, AVOptions  # noqa: E402
+from vllm_av.vllm.mrv1.patches import runs_plain  # noqa: E402
 from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch  # noqa: E402
 
 SPEC = object()
@@ -91,3 +92,19 @@ def test_a_recurrent_layer_inside_the_wrapper_keeps_the_speculative_path():
     mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(None,))
     runner = Runner(AVOptions(), spec_types=[_uniform_group(attn, mamba)])
     assert prepare(runner, {}) is SPEC
+
+
+def test_timed_steps_are_filed_as_plain_exactly_when_they_run_plain():
+    # Which verification table a timed step corrects (AdaptiveVerifier.
+    # observe_verify_time(plain=...)): plain only for a step with no draft
+    # that PlainZeroDraftStepPatch prepares as plain decoding.
+    def so(drafts):
+        return SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+
+    on = Runner(AVOptions())
+    assert runs_plain(on, so({}))
+    assert runs_plain(on, so({"r0": []}))
+    assert not runs_plain(on, so({"r0": [5]}))
+    assert not runs_plain(on, SimpleNamespace())  # unknown: speculative
+    off = Runner(AVOptions(plain_zero_draft_steps=False))
+    assert not runs_plain(off, so({}))  # vLLM's speculative path runs it

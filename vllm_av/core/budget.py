@@ -9,7 +9,9 @@ tokens per ms:
     B* = argmax_{0 <= B <= Bmax} (N_sampling + sum_{b<B} s_(b)) /
                                   (draft_cost(R) + verify_cost(T + B))
 
-with s_(b) the scores sorted descending. Exact: every B is evaluated at once
+with s_(b) the scores sorted descending; at B = 0 the step verifies no
+draft and is priced as a plain step (`plain_verify_cost`, where the cost
+model tells the two apart). Exact: every B is evaluated at once
 (sort, cumsum, one vectorised cost lookup). Assumes the scores are ONE STEP
 OLD so that B does not depend on the current draft tokens (losslessness,
 DESIGN 2.5); the sizer itself cannot check that. Ties go to the smaller B
@@ -65,7 +67,7 @@ def best_budget(
     if max_budget is not None:
         n = min(n, max(int(max_budget), 0))
     if n == 0:
-        step = cost.draft_cost(int(num_drafting_reqs)) + cost.verify_cost(int(num_other_tokens))
+        step = cost.draft_cost(int(num_drafting_reqs)) + _plain_cost(cost, int(num_other_tokens))
         return 0, num_sampling / max(float(step), 1e-12)
     if not np.isfinite(s).all():
         s = np.where(np.isfinite(s), s, 0.0)
@@ -80,11 +82,21 @@ def best_budget(
         verify = cost.verify_cost_range(t, t + n + 1)  # [n + 1], B = 0..n
     else:
         verify = cost.verify_cost(t + np.arange(n + 1))
+    if hasattr(cost, "plain_verify_cost"):
+        verify = verify.copy()  # the range may be a read-only view of a table
+        verify[0] = cost.plain_verify_cost(t)
     step_cost = cost.draft_cost(int(num_drafting_reqs)) + verify
     # Guard against a zero-cost table (division by zero would give nan/inf).
     rate = gain / np.maximum(step_cost, 1e-12)
     b = int(np.argmax(rate))
     return b, float(rate[b])
+
+
+def _plain_cost(cost, num_tokens: int) -> float:
+    """Cost of a step that verifies no draft (a plain step)."""
+    if hasattr(cost, "plain_verify_cost"):
+        return float(cost.plain_verify_cost(num_tokens))
+    return float(cost.verify_cost(num_tokens))
 
 
 __all__ = ["best_budget", "size_budget"]

@@ -195,10 +195,15 @@ class CostModel:
         # otherwise it pays the drafter's first forward, as profiled at depth 1.
         self.free_zero_depth = False
         # Multiplier per token-count bucket (floor(log2 n)) learnt from
-        # measured steps (AdaptiveVerifier.observe_verify_time); empty: the
-        # profiled table as it is.
+        # measured steps (AdaptiveVerifier.observe_verify_time): of steps
+        # that verify drafts (`verify_scale`) and of plain steps that verify
+        # none (`plain_verify_scale`; the runner then skips speculative
+        # metadata and the rejection sampler). Each table falls back on the
+        # other's while it has none; both empty: the profiled table as it is.
         self.verify_scale: dict[int, float] = {}
-        self._scaled: np.ndarray | None = None  # scaled verify table, until a scale changes
+        self.plain_verify_scale: dict[int, float] = {}
+        # Scaled verify tables (speculative, plain), until a scale changes.
+        self._scaled: dict[bool, np.ndarray] = {}
         # Measured drafting cost (ms per step) per request-count bucket
         # (floor(log2 r)) where nothing was profiled (model-free drafters;
         # AdaptiveVerifier.observe_draft_time); empty: none charged.
@@ -221,12 +226,14 @@ class CostModel:
         out = np.where(np.atleast_1d(r) > 0, out, 0.0)
         return out.reshape(r.shape) if r.ndim else float(out[0])
 
-    def set_verify_scale(self, bucket: int, factor: float) -> None:
-        """The measured correction of token-count bucket floor(log2 n)."""
-        if self.verify_scale.get(int(bucket)) == float(factor):
-            return  # a median often stays put: keep the scaled table
-        self.verify_scale[int(bucket)] = float(factor)
-        self._scaled = None
+    def set_verify_scale(self, bucket: int, factor: float, plain: bool = False) -> None:
+        """The measured correction of token-count bucket floor(log2 n), for
+        steps that verify drafts (or, `plain`, for steps that verify none)."""
+        scales = self.plain_verify_scale if plain else self.verify_scale
+        if scales.get(int(bucket)) == float(factor):
+            return  # a median often stays put: keep the scaled tables
+        scales[int(bucket)] = float(factor)
+        self._scaled = {}
 
     def set_draft_scale(self, depth: int, factor: float) -> None:
         """The measured correction of drafting at `depth`."""
@@ -274,36 +281,48 @@ class CostModel:
             CostCurve(vs, vc, graph_sizes), CostCurve(ds, dc, draft_graph_sizes), by_depth
         )
 
-    def verify_cost(self, num_tokens):
+    def verify_cost(self, num_tokens, plain: bool = False):
         """Target forward cost (ms) at `num_tokens` tokens in the step (the
-        step's cost apart from drafting), with its measured correction."""
-        if not self.verify_scale:
+        step's cost apart from drafting), with its measured correction: of a
+        step that verifies drafts, or (`plain`) of one that verifies none."""
+        if not self._scales(plain):
             return self.verify(num_tokens)
         n = np.asarray(num_tokens)
         if n.ndim == 0 and 0 <= int(n):
-            return float(self._scaled_table(int(n) + 1)[int(n)])
-        return self._scaled_table(int(n.max()) + 1)[n.astype(np.int64)]
+            return float(self._scaled_table(int(n) + 1, plain)[int(n)])
+        return self._scaled_table(int(n.max()) + 1, plain)[n.astype(np.int64)]
 
-    def verify_cost_range(self, start: int, stop: int) -> np.ndarray:
-        """verify_cost(n) for integer n in [start, stop), as one slice."""
-        if not self.verify_scale:
+    def plain_verify_cost(self, num_tokens):
+        """`verify_cost` of a step that verifies no draft."""
+        return self.verify_cost(num_tokens, plain=True)
+
+    def verify_cost_range(self, start: int, stop: int, plain: bool = False) -> np.ndarray:
+        """verify_cost(n, plain) for integer n in [start, stop), as one slice."""
+        if not self._scales(plain):
             return self.verify.table(stop)[start:]
-        return self._scaled_table(stop)[start:stop]
+        return self._scaled_table(stop, plain)[start:stop]
 
-    def _scaled_table(self, stop: int) -> np.ndarray:
+    def _scales(self, plain: bool) -> dict[int, float]:
+        own, other = ((self.plain_verify_scale, self.verify_scale) if plain
+                      else (self.verify_scale, self.plain_verify_scale))
+        return own or other
+
+    def _scaled_table(self, stop: int, plain: bool = False) -> np.ndarray:
         """The profiled table times each size's bucket scale, kept monotone."""
-        if self._scaled is None or self._scaled.size < stop:
-            base = self.verify.table(max(stop, 2 * (0 if self._scaled is None else self._scaled.size)))
+        cached = self._scaled.get(plain)
+        if cached is None or cached.size < stop:
+            base = self.verify.table(max(stop, 2 * (0 if cached is None else cached.size)))
             size = base.size
             buckets = np.floor(np.log2(np.maximum(np.arange(size), 1))).astype(np.int64)
-            known = np.array(list(self.verify_scale))
-            vals = np.array(list(self.verify_scale.values()))
+            scales = self._scales(plain)
+            known = np.array(list(scales))
+            vals = np.array(list(scales.values()))
             # Each bucket takes its own scale, or the nearest measured one's.
             nearest = np.abs(buckets[:, None] - known[None, :]).argmin(axis=1)
             table = np.maximum.accumulate(base * vals[nearest])
             table.flags.writeable = False
-            self._scaled = table
-        return self._scaled
+            self._scaled[plain] = cached = table
+        return cached
 
     def draft_cost(self, num_reqs):
         """Drafting cost (ms) of one step for `num_reqs` drafting requests
@@ -395,11 +414,14 @@ class DepthCost:
     def draft_cost(self, num_reqs):
         return self.model.draft_cost_at_depth(num_reqs, self.depth, self.K)
 
-    def verify_cost(self, num_tokens):
-        return self.model.verify_cost(num_tokens)
+    def verify_cost(self, num_tokens, plain: bool = False):
+        return self.model.verify_cost(num_tokens, plain)
 
-    def verify_cost_range(self, start: int, stop: int) -> np.ndarray:
-        return self.model.verify_cost_range(start, stop)
+    def plain_verify_cost(self, num_tokens):
+        return self.model.verify_cost(num_tokens, plain=True)
+
+    def verify_cost_range(self, start: int, stop: int, plain: bool = False) -> np.ndarray:
+        return self.model.verify_cost_range(start, stop, plain)
 
 
 __all__ = ["CostCurve", "CostModel", "DepthCost", "isotonic"]

@@ -123,7 +123,10 @@ def depth_rate_bound(num_sampling: int, num_other_tokens: int, num_reqs: int, de
     """Upper bound on the rate `best_budget` can reach at `depth`: every
     one of the num_reqs * depth slots verified and accepted, at the cost of
     verifying none of them (verification cost is monotone in tokens)."""
-    step = float(cost_d.draft_cost(num_reqs)) + float(cost_d.verify_cost(num_other_tokens))
+    verify = float(cost_d.verify_cost(num_other_tokens))
+    if hasattr(cost_d, "plain_verify_cost"):
+        verify = min(verify, float(cost_d.plain_verify_cost(num_other_tokens)))
+    step = float(cost_d.draft_cost(num_reqs)) + verify
     return (num_sampling + num_reqs * depth) / max(step, 1e-12)
 
 
@@ -237,6 +240,7 @@ class AdaptiveVerifier:
         # Recent log(measured / profiled) per depth and per token bucket.
         self._draft_log_scale: dict[int, deque] = {}
         self._verify_log_scale: dict[int, deque] = {}
+        self._plain_log_scale: dict[int, deque] = {}
         # Recent measured drafting times per request-count bucket, for
         # drafters with no profiled cost (model-free).
         self._draft_ms: dict[int, deque] = {}
@@ -303,7 +307,7 @@ class AdaptiveVerifier:
             K = self.K
             draft_d = float(self.cost.draft_cost_at_depth(R, d, K))
             draft_k = float(self.cost.draft_cost_at_depth(R, K, K))
-            base = float(self.cost.verify_cost(num_other_tokens)) + draft_d
+            base = float(self.cost.plain_verify_cost(num_other_tokens)) + draft_d
             extra = draft_k - draft_d
             if base > 0 and extra > 0:
                 # Tokens per ms at depth K if every draft were accepted,
@@ -315,19 +319,23 @@ class AdaptiveVerifier:
                 interval = max(interval, int(np.ceil(extra / (share * base))))
         return interval
 
-    def observe_verify_time(self, num_tokens: int, ms: float) -> None:
+    def observe_verify_time(self, num_tokens: int, ms: float, plain: bool = False) -> None:
         """A measured step apart from drafting (`num_tokens` target tokens,
         wall time `ms`): corrects the verification table around that size
-        (per power-of-two bucket of token counts)."""
+        (per power-of-two bucket of token counts), that of steps verifying
+        drafts or, `plain`, that of steps verifying none: a plain step
+        skips speculative metadata and the rejection sampler, so depth 0 is
+        priced as what it runs."""
         if num_tokens <= 0 or not np.isfinite(ms) or ms <= 0:
             return
         predicted = float(self.cost.verify(int(num_tokens)))
         if predicted <= 1e-6:
             return
         bucket = int(np.floor(np.log2(num_tokens)))
-        scale = _update_scale(self._verify_log_scale, bucket, ms / predicted)
+        log_scale = self._plain_log_scale if plain else self._verify_log_scale
+        scale = _update_scale(log_scale, bucket, ms / predicted)
         if scale is not None:
-            self.cost.set_verify_scale(bucket, scale)
+            self.cost.set_verify_scale(bucket, scale, plain=plain)
 
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,

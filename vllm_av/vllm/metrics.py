@@ -42,6 +42,8 @@ def snapshot(verifier) -> dict:
         # Measured / profiled cost where timed steps corrected the tables.
         "draft_cost_scale": {str(d): f for d, f in getattr(cost, "draft_scale", {}).items()},
         "verify_cost_scale": {str(b): f for b, f in getattr(cost, "verify_scale", {}).items()},
+        "plain_verify_cost_scale": {
+            str(b): f for b, f in getattr(cost, "plain_verify_scale", {}).items()},
         "draft_cost_measured_ms": {
             str(b): ms for b, ms in getattr(cost, "draft_measured", {}).items()},
     }
@@ -146,6 +148,16 @@ class AVCollector:
         for b, f in sorted(snap.get("verify_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
             verify.add_metric([b], f)
         yield verify
+        plain = GaugeMetricFamily(
+            f"{PREFIX}plain_verify_cost_scale",
+            "Measured / profiled cost of a step that verifies no draft (run as plain "
+            "decoding), per bucket of floor(log2(tokens)) (timed steps)",
+            labels=["tokens_log2"],
+        )
+        for b, f in sorted(snap.get("plain_verify_cost_scale", {}).items(),
+                           key=lambda kv: int(kv[0])):
+            plain.add_metric([b], f)
+        yield plain
         measured = GaugeMetricFamily(
             f"{PREFIX}draft_cost_measured_ms",
             "Measured drafting cost (ms per step) of a drafter with no profiled cost "

@@ -66,6 +66,7 @@ class _Step:
     end: object = None
     depth: int = 0
     num_drafting: int = 0
+    plain: bool = False  # the step verifies no draft
 
 
 class AsyncStepClock:
@@ -83,11 +84,11 @@ class AsyncStepClock:
         """Whether the current step is one being timed."""
         return self.current is not None
 
-    def step_started(self, num_tokens: int) -> None:
+    def step_started(self, num_tokens: int, plain: bool = False) -> None:
         self.steps += 1
         self.current = None
         if num_tokens > 0 and self.steps % TIMING_INTERVAL == 0:
-            self.current = _Step(mark(self.device), int(num_tokens))
+            self.current = _Step(mark(self.device), int(num_tokens), plain=plain)
 
     def drafting_starts(self) -> None:
         if self.current is not None:
@@ -107,7 +108,8 @@ class AsyncStepClock:
         n = 0
         while self.pending and self.pending[0].end.ready():
             step = self.pending.popleft()
-            verifier.observe_verify_time(step.num_tokens, step.mid.ms_since(step.start))
+            verifier.observe_verify_time(step.num_tokens, step.mid.ms_since(step.start),
+                                         plain=step.plain)
             if step.depth > 0 and step.num_drafting > 0:
                 verifier.observe_draft_time(
                     step.depth, step.num_drafting, step.end.ms_since(step.mid)

@@ -36,7 +36,7 @@ from vllm_av.vllm.mrv1.async_timing import AsyncStepClock
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch
+from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, plain_steps_enabled
 from vllm_av.vllm.mrv1.scheduled_depth import ScheduledDepthPatch, register_local_verifier
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
@@ -314,13 +314,13 @@ class _StepTimer:
     ATTR = "_vllm_av_step_timer"
 
     @classmethod
-    def start(cls, runner, num_tokens: int) -> None:
+    def start(cls, runner, num_tokens: int, plain: bool = False) -> None:
         n = getattr(runner, _STEP_CALLS_ATTR, 0) + 1
         setattr(runner, _STEP_CALLS_ATTR, n)
         mark = None
         if num_tokens > 0 and n % DRAFT_TIMING_INTERVAL == 0:
             sync_device(getattr(runner, "device", None))
-            mark = (time.perf_counter(), int(num_tokens))
+            mark = (time.perf_counter(), int(num_tokens), plain)
         setattr(runner, cls.ATTR, mark)
 
     @classmethod
@@ -330,8 +330,16 @@ class _StepTimer:
             return
         setattr(runner, cls.ATTR, None)
         sync_device(getattr(runner, "device", None))
-        t0, num_tokens = mark
-        verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3)
+        t0, num_tokens, plain = mark
+        verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3, plain=plain)
+
+
+def runs_plain(runner, scheduler_output) -> bool:
+    """Whether a step runs as plain decoding: it verifies no draft and
+    PlainZeroDraftStepPatch prepares such steps without speculative
+    metadata (its time then corrects the plain verification table)."""
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    return spec is not None and not any(spec.values()) and plain_steps_enabled(runner)
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"
@@ -563,7 +571,8 @@ class RunnerForgetPatch(VllmPatch):
             verifier.begin_step()
         options = getattr(self, _OPTIONS_ATTR, None)
         if options is None or options.calibrate_costs:
-            _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens)
+            _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens,
+                             plain=runs_plain(self, scheduler_output))
         return orig(self, scheduler_output)
 
 
@@ -591,7 +600,8 @@ def _update_states_async(runner, verifier, orig, scheduler_output):
     step's verified drafts (`begin_step`), before this step drafts."""
     clock = _async_clock(runner)
     if clock is not None:
-        clock.step_started(scheduler_output.total_num_scheduled_tokens)
+        clock.step_started(scheduler_output.total_num_scheduled_tokens,
+                           plain=runs_plain(runner, scheduler_output))
     pending = getattr(runner, _PENDING_OBSERVE_ATTR, None)
     if pending is not None:
         # vLLM never ran last step's closure (a step that launched nothing):
