@@ -5,6 +5,7 @@
 #   bash scripts/gpu/round.sh start       # the whole round, detached (returns at once)
 #   bash scripts/gpu/round.sh poll 300    # wait up to 300 s, show progress, copy results to $OUT
 #   bash scripts/gpu/round.sh focus       # the short round, detached (see `focus` below)
+#   GREEDY=1 bash scripts/gpu/round.sh focus  # ... with a greedy pass after each temperature pass
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -95,7 +96,7 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
     --concurrency "${CONC:-1,16,32,64,128,256}" --output-len "${OUTPUT_LEN:-256}" \
     --min-prompts "${MIN_PROMPTS:-8}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
-    --server-args "$SERVER_ARGS" --arms "$arms" "$@" >> "$RES/$RUN.log" 2>&1
+    --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} "$@" >> "$RES/$RUN.log" 2>&1
   log "sweep $RUN ($arms) on GPU $GPU exit $?"
   python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
 }
