@@ -131,43 +131,28 @@ class AVCollector:
                 obs.add_metric([str(i)], snap["observed"][i] / n)
         yield pred
         yield obs
-        draft = GaugeMetricFamily(
-            f"{PREFIX}draft_cost_scale",
-            "Measured / profiled cost of a drafting step, per depth (timed steps)",
-            labels=["depth"],
-        )
-        for d, f in sorted(snap.get("draft_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
-            draft.add_metric([d], f)
-        yield draft
-        verify = GaugeMetricFamily(
-            f"{PREFIX}verify_cost_scale",
-            "Measured / profiled cost of a step apart from drafting, per bucket "
-            "of floor(log2(tokens)) (timed steps)",
-            labels=["tokens_log2"],
-        )
-        for b, f in sorted(snap.get("verify_cost_scale", {}).items(), key=lambda kv: int(kv[0])):
-            verify.add_metric([b], f)
-        yield verify
-        plain = GaugeMetricFamily(
-            f"{PREFIX}plain_verify_cost_scale",
-            "Measured / profiled cost of a step that verifies no draft (run as plain "
-            "decoding), per bucket of floor(log2(tokens)) (timed steps)",
-            labels=["tokens_log2"],
-        )
-        for b, f in sorted(snap.get("plain_verify_cost_scale", {}).items(),
-                           key=lambda kv: int(kv[0])):
-            plain.add_metric([b], f)
-        yield plain
-        measured = GaugeMetricFamily(
-            f"{PREFIX}draft_cost_measured_ms",
-            "Measured drafting cost (ms per step) of a drafter with no profiled cost "
-            "(ngram, suffix), per bucket of floor(log2(requests)) (timed steps)",
-            labels=["reqs_log2"],
-        )
-        for b, ms in sorted(snap.get("draft_cost_measured_ms", {}).items(),
-                            key=lambda kv: int(kv[0])):
-            measured.add_metric([b], ms)
-        yield measured
+        # Cost corrections from timed steps, keyed by an integer label.
+        for key, label, doc in COST_GAUGES:
+            gauge = GaugeMetricFamily(f"{PREFIX}{key}", doc, labels=[label])
+            for k, value in sorted(snap.get(key, {}).items(), key=lambda kv: int(kv[0])):
+                gauge.add_metric([k], value)
+            yield gauge
+
+
+# (snapshot key = metric name, label, help) of the cost corrections.
+COST_GAUGES = (
+    ("draft_cost_scale", "depth",
+     "Measured / profiled cost of a drafting step, per depth (timed steps)"),
+    ("verify_cost_scale", "tokens_log2",
+     "Measured / profiled cost of a step that verifies drafts, apart from drafting, "
+     "per bucket of floor(log2(tokens)) (timed steps)"),
+    ("plain_verify_cost_scale", "tokens_log2",
+     "Measured / profiled cost of a step that verifies no draft (run as plain "
+     "decoding), per bucket of floor(log2(tokens)) (timed steps)"),
+    ("draft_cost_measured_ms", "reqs_log2",
+     "Measured drafting cost (ms per step) of a drafter with no profiled cost "
+     "(ngram, suffix), per bucket of floor(log2(requests)) (timed steps)"),
+)
 
 
 _registered_dirs: set[str] = set()
