@@ -80,12 +80,25 @@ def test_steps_that_never_drafted_or_scheduled_nothing_are_not_timed(clock):
         clock.step_started(0)  # nothing scheduled
     clock.drafting_starts()
     clock.drafting_done(1, 4)
-    for _ in range(TIMING_INTERVAL):
-        clock.step_started(8)  # vLLM skipped the drafter call: no mid mark
-    clock.step_started(8)
+    clock.step_started(8)  # due, but vLLM skipped the drafter call: no mid mark
+    clock.step_started(8)  # not due
     clock.drafting_starts()
     clock.drafting_done(1, 4)
     assert clock.collect(v) == 0
+
+
+def test_rare_speculative_steps_are_each_timed(clock):
+    # Depth 0 nearly everywhere: the drafting steps of exploration are rare,
+    # and each is timed (at least TIMING_INTERVAL steps apart), while plain
+    # steps keep one in TIMING_INTERVAL.
+    v = _Verifier()
+    for i in range(1, 6 * TIMING_INTERVAL + 1):
+        spec = i % (2 * TIMING_INTERVAL) == 5  # steps 5, 13, 21
+        _step(clock, tokens=8, forward_ms=1.0, depth=2 if spec else 0,
+              draft_ms=5.0 if spec else 0.0, plain=not spec)
+        clock.collect(v)
+    assert v.draft == [(2, 4, 5.0)] * 3
+    assert v.plain.count(False) == 3 and v.plain.count(True) == 6  # 4, 8, ..., 24
 
 
 def test_host_marks_measure_host_time():
@@ -102,3 +115,27 @@ def test_a_plain_step_is_timed_into_the_plain_table(clock):
         _step(clock, tokens=8, forward_ms=2.0, depth=0, draft_ms=0.0, plain=i < TIMING_INTERVAL)
         clock.collect(v)
     assert v.verify == [(8, 2.0), (8, 2.0)] and v.plain == [True, False]
+
+
+def test_synchronous_timers_pace_kinds_apart():
+    # The synchronous path's timers (vllm_av/vllm/mrv1/patches.py) follow
+    # the same rule: each rare drafting step is timed, plain steps one in
+    # DRAFT_TIMING_INTERVAL.
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.mrv1.patches import DRAFT_TIMING_INTERVAL, _DraftTimer, _StepTimer
+
+    runner = SimpleNamespace(device=None)
+    n = DRAFT_TIMING_INTERVAL
+    drafting_steps = {n + 1, 3 * n + 1, 5 * n + 1}
+    timed_steps, timed_drafts = [], []
+    for step in range(1, 6 * n + 1):
+        spec = step in drafting_steps
+        _StepTimer.start(runner, 8, plain=not spec)
+        if getattr(runner, _StepTimer.ATTR) is not None:
+            timed_steps.append((step, not spec))
+        if spec and _DraftTimer(runner).active:
+            timed_drafts.append(step)
+    assert timed_drafts == sorted(drafting_steps)
+    assert [s for s, plain in timed_steps if not plain] == sorted(drafting_steps)
+    assert [s for s, plain in timed_steps if plain] == list(range(n, 6 * n + 1, n))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Time one step in this many, as the synchronous timers do.
+# Time one step in this many of each kind, as the synchronous timers do.
 TIMING_INTERVAL = 4
 # Pending measurements kept at most (older ones are dropped unread).
 MAX_PENDING = 8
@@ -51,6 +51,18 @@ class _DeviceMark:
         return earlier.event.elapsed_time(self.event)
 
 
+def timing_due(last_timed: dict, kind, step: int, interval: int = TIMING_INTERVAL) -> bool:
+    """Whether to time step `step` of `kind`: `interval` steps after the
+    last timed one of that kind (recorded in `last_timed`). A kind that runs
+    every step is timed every `interval`-th step; a rare one (the drafting
+    steps of exploration, with depth 0 elsewhere) each time it runs, so its
+    correction does not wait for dozens of occurrences."""
+    if step - last_timed.get(kind, 0) < interval:
+        return False
+    last_timed[kind] = step
+    return True
+
+
 def mark(device):
     """A timestamp on `device`'s stream (CUDA) or on the host (otherwise)."""
     if device is not None and torch.device(device).type == "cuda":
@@ -70,14 +82,16 @@ class _Step:
 
 
 class AsyncStepClock:
-    """Marks every TIMING_INTERVAL-th step; `collect` hands finished
-    measurements to the verifier."""
+    """Marks a step every TIMING_INTERVAL steps, plain steps and speculative
+    ones paced apart (`timing_due`); `collect` hands finished measurements
+    to the verifier."""
 
     def __init__(self, device):
         self.device = device
         self.steps = 0
         self.current: _Step | None = None
         self.pending: deque[_Step] = deque(maxlen=MAX_PENDING)
+        self.last_timed: dict = {}  # plain (bool) -> the step last timed
 
     @property
     def timing(self) -> bool:
@@ -87,7 +101,7 @@ class AsyncStepClock:
     def step_started(self, num_tokens: int, plain: bool = False) -> None:
         self.steps += 1
         self.current = None
-        if num_tokens > 0 and self.steps % TIMING_INTERVAL == 0:
+        if num_tokens > 0 and timing_due(self.last_timed, plain, self.steps):
             self.current = _Step(mark(self.device), int(num_tokens), plain=plain)
 
     def drafting_starts(self) -> None:

@@ -32,7 +32,7 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
-from vllm_av.vllm.mrv1.async_timing import AsyncStepClock
+from vllm_av.vllm.mrv1.async_timing import AsyncStepClock, timing_due
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
@@ -276,20 +276,28 @@ def _skip_drafter_async(runner, sampled_token_ids):
     return [[] for _ in range(num_reqs)]
 
 
-# Every this many drafting steps, time one (with a device synchronize on
-# each side on CUDA) to correct the profiled drafting table
-# (AdaptiveVerifier.observe_draft_time).
+# Time a step of a kind (drafting, a plain step, a speculative step) with a
+# device synchronize on each side on CUDA, this many steps after the last
+# timed one of that kind (`timing_due`), to correct the cost tables
+# (AdaptiveVerifier.observe_draft_time, observe_verify_time).
 DRAFT_TIMING_INTERVAL = 4
-_DRAFT_CALLS_ATTR = "_vllm_av_draft_calls"
+_LAST_TIMED_ATTR = "_vllm_av_last_timed"  # kind -> the step last timed
+
+
+def _last_timed(runner) -> dict:
+    last = getattr(runner, _LAST_TIMED_ATTR, None)
+    if last is None:
+        last = {}
+        setattr(runner, _LAST_TIMED_ATTR, last)
+    return last
 
 
 class _DraftTimer:
-    """Wall time of one drafting call, on every DRAFT_TIMING_INTERVAL-th call."""
+    """Wall time of one drafting call (see `timing_due`)."""
 
     def __init__(self, runner, enabled: bool = True):
-        n = getattr(runner, _DRAFT_CALLS_ATTR, 0) + 1
-        setattr(runner, _DRAFT_CALLS_ATTR, n)
-        self.active = enabled and n % DRAFT_TIMING_INTERVAL == 0
+        step = getattr(runner, _STEP_CALLS_ATTR, 0)
+        self.active = enabled and timing_due(_last_timed(runner), "draft", step, DRAFT_TIMING_INTERVAL)
         self.runner = runner
         self.ms = None
 
@@ -308,8 +316,8 @@ class _DraftTimer:
 
 class _StepTimer:
     """Wall time of a step up to drafting (input preparation, the target
-    forward, sampling and verification), on every DRAFT_TIMING_INTERVAL-th
-    step, for `AdaptiveVerifier.observe_verify_time`."""
+    forward, sampling and verification), plain steps and speculative ones
+    paced apart (`timing_due`), for `AdaptiveVerifier.observe_verify_time`."""
 
     ATTR = "_vllm_av_step_timer"
 
@@ -318,7 +326,7 @@ class _StepTimer:
         n = getattr(runner, _STEP_CALLS_ATTR, 0) + 1
         setattr(runner, _STEP_CALLS_ATTR, n)
         mark = None
-        if num_tokens > 0 and n % DRAFT_TIMING_INTERVAL == 0:
+        if num_tokens > 0 and timing_due(_last_timed(runner), ("step", plain), n, DRAFT_TIMING_INTERVAL):
             sync_device(getattr(runner, "device", None))
             mark = (time.perf_counter(), int(num_tokens), plain)
         setattr(runner, cls.ATTR, mark)
