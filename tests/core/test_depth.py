@@ -16,6 +16,8 @@ from vllm_av.core.verifier import (
     EXPLORE_MIN_INTERVAL,
     CALIBRATION_MIN_SAMPLES,
     CALIBRATION_WINDOW,
+    PLAIN_PROBE_INTERVAL,
+    PLAIN_PROBES_MAX,
     AdaptiveVerifier,
 )
 
@@ -364,6 +366,28 @@ def test_without_the_split_a_plain_bucket_makes_verification_look_free():
     _steps_timed(v, 10.0, plain_known=False)
     assert v.cost.plain_verify_scale == {}
     assert v.choose_depth(_ids(8), 8, 8) > 0
+
+
+def test_depth_zero_is_probed_until_a_plain_step_is_timed():
+    # Free drafting always pays, so depth 0 (a plain step) would never run
+    # and B = 0 would stay priced from speculative steps: with probes on,
+    # depth 0 every PLAIN_PROBE_INTERVAL steps, at most PLAIN_PROBES_MAX.
+    v = _verifier(draft_ms=0.0)
+    v.probe_plain_steps = True
+    depths = _depths(v, 4, PLAIN_PROBE_INTERVAL * (PLAIN_PROBES_MAX + 4))
+    zeros = [i for i, d in enumerate(depths) if d == 0]
+    assert len(zeros) == PLAIN_PROBES_MAX
+    # (a step due for exploration delays a probe by one)
+    assert all(PLAIN_PROBE_INTERVAL <= b - a <= PLAIN_PROBE_INTERVAL + 1
+               for a, b in zip(zeros, zeros[1:]))
+    # They stop once the plain table has a measurement.
+    w = _verifier(draft_ms=0.0)
+    w.probe_plain_steps = True
+    first = _depths(w, 4, PLAIN_PROBE_INTERVAL + 1)
+    assert first.count(0) == 1
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        w.observe_verify_time(4, 1.0, plain=True)
+    assert 0 not in _depths(w, 4, 4 * PLAIN_PROBE_INTERVAL)
 
 
 def test_each_verification_table_falls_back_on_the_other():

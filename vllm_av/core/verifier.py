@@ -156,6 +156,12 @@ EXPLORE_MAX_TIME_SHARE = 0.05
 # a full-depth step pay (then exploring can only confirm that; it is kept
 # so that a drafter that gets faster is noticed).
 EXPLORE_HOPELESS_TIME_SHARE = 0.01
+# Plain-step probes (choose_depth, with `probe_plain_steps`): while no step
+# that verifies no draft has been timed, depth 0 once every this many steps,
+# at most PLAIN_PROBES_MAX times, so that B = 0 gets its own measured cost
+# where drafting always seemed to pay (a cheap drafter at low load).
+PLAIN_PROBE_INTERVAL = 16
+PLAIN_PROBES_MAX = 8
 # Measured drafting times correct the profiled drafting tables (per depth),
 # and measured step times the verification table (per power-of-two bucket
 # of token counts): the correction at a key is the median of its last
@@ -237,6 +243,11 @@ class AdaptiveVerifier:
         # since the last exploration step.
         self._last_depth: int | None = None
         self._since_explore = 0
+        # Depth-0 probes of the plain verification table (off by default:
+        # the vLLM adapter turns them on where plain steps are timed).
+        self.probe_plain_steps = False
+        self._plain_probes = 0
+        self._since_plain_probe = 0
         # Recent log(measured / profiled) per depth and per token bucket.
         self._draft_log_scale: dict[int, deque] = {}
         self._verify_log_scale: dict[int, deque] = {}
@@ -282,11 +293,14 @@ class AdaptiveVerifier:
         if R == 0:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
+        self._since_plain_probe += 1
         # The step-count floor first: the interval's cost lookups only once
         # it is reached (the interval is never shorter than that floor).
         if (self._since_explore >= max(EXPLORE_MIN_INTERVAL, R // 2)
                 and self._since_explore >= self._explore_interval(R, num_other_tokens)):
             self._since_explore, d = 0, K
+        elif self._plain_probe_due():
+            d = 0
         else:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
         d = int(min(max(d, min_depth), K))
@@ -296,6 +310,17 @@ class AdaptiveVerifier:
         s.depth_steps += 1
         s.zero_depth_steps += int(d == 0)
         return d
+
+    def _plain_probe_due(self) -> bool:
+        """A depth-0 step to time a plain step (see PLAIN_PROBE_INTERVAL)."""
+        if (not self.probe_plain_steps or self.cost.plain_verify_scale
+                or self._plain_probes >= PLAIN_PROBES_MAX):
+            return False
+        if self._since_plain_probe < PLAIN_PROBE_INTERVAL or not self._last_depth:
+            return False
+        self._since_plain_probe = 0
+        self._plain_probes += 1
+        return True
 
     def _explore_interval(self, R: int, num_other_tokens: int) -> int:
         """Steps between two full-depth steps: see EXPLORE_MIN_INTERVAL and

@@ -175,6 +175,10 @@ def build_verifier(runner, options: AVOptions) -> AdaptiveVerifier:
     verifier = AdaptiveVerifier(
         K, cost, OnlineAcceptanceEstimator(K, refit_interval=options.refit_interval)
     )
+    # Where steps are timed and zero-draft steps run plain, let depth 0 be
+    # probed so that the plain verification table gets measured.
+    verifier.probe_plain_steps = bool(
+        options.calibrate_costs and options.adaptive_depth and options.plain_zero_draft_steps)
     logger.info(
         "vllm-av: adaptive verification ready (K=%d, method=%s, adaptive depth %s); "
         "cost %s in %.1f s: %s",
