@@ -82,7 +82,7 @@ def best_budget(
         verify = cost.verify_cost_range(t, t + n + 1)  # [n + 1], B = 0..n
     else:
         verify = cost.verify_cost(t + np.arange(n + 1))
-    if hasattr(cost, "plain_verify_cost"):
+    if getattr(cost, "plain_differs", False):
         verify = verify.copy()  # the range may be a read-only view of a table
         verify[0] = cost.plain_verify_cost(t)
     step_cost = cost.draft_cost(int(num_drafting_reqs)) + verify
@@ -94,7 +94,7 @@ def best_budget(
 
 def _plain_cost(cost, num_tokens: int) -> float:
     """Cost of a step that verifies no draft (a plain step)."""
-    if hasattr(cost, "plain_verify_cost"):
+    if getattr(cost, "plain_differs", False):
         return float(cost.plain_verify_cost(num_tokens))
     return float(cost.verify_cost(num_tokens))
 

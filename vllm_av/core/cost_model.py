@@ -296,6 +296,12 @@ class CostModel:
         """`verify_cost` of a step that verifies no draft."""
         return self.verify_cost(num_tokens, plain=True)
 
+    @property
+    def plain_differs(self) -> bool:
+        """Whether plain and speculative steps are priced apart (each table
+        has measurements of its own; otherwise both read the same one)."""
+        return bool(self.verify_scale) and bool(self.plain_verify_scale)
+
     def verify_cost_range(self, start: int, stop: int, plain: bool = False) -> np.ndarray:
         """verify_cost(n, plain) for integer n in [start, stop), as one slice."""
         if not self._scales(plain):
@@ -419,6 +425,10 @@ class DepthCost:
 
     def plain_verify_cost(self, num_tokens):
         return self.model.verify_cost(num_tokens, plain=True)
+
+    @property
+    def plain_differs(self) -> bool:
+        return self.model.plain_differs
 
     def verify_cost_range(self, start: int, stop: int, plain: bool = False) -> np.ndarray:
         return self.model.verify_cost_range(start, stop, plain)

@@ -124,7 +124,7 @@ def depth_rate_bound(num_sampling: int, num_other_tokens: int, num_reqs: int, de
     one of the num_reqs * depth slots verified and accepted, at the cost of
     verifying none of them (verification cost is monotone in tokens)."""
     verify = float(cost_d.verify_cost(num_other_tokens))
-    if hasattr(cost_d, "plain_verify_cost"):
+    if getattr(cost_d, "plain_differs", False):
         verify = min(verify, float(cost_d.plain_verify_cost(num_other_tokens)))
     step = float(cost_d.draft_cost(num_reqs)) + verify
     return (num_sampling + num_reqs * depth) / max(step, 1e-12)
