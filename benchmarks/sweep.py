@@ -326,6 +326,11 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         # Measured / profiled drafting cost after this run (timed steps), at
         # the depth where real drafting is furthest from the start-up profile.
         "av_draft_cost_scale": metric_max(delta, "vllm_av:draft_cost_scale"),
+        # A model-free drafter's measured drafting cost (ms per step), and
+        # how plain steps (no draft verified) measure against their profile.
+        "av_draft_measured_ms": metric_max(delta, "vllm_av:draft_cost_measured_ms"),
+        "av_plain_verify_scale": metric_max(delta, "vllm_av:plain_verify_cost_scale"),
+        "av_verify_scale": metric_max(delta, "vllm_av:verify_cost_scale"),
     }
 
 
@@ -531,6 +536,13 @@ def report_markdown(summary: dict) -> str:
              "av_zero_depth_share", ".2f"),
             ("Measured / profiled drafting cost, largest over depths (ours; vllm_av:*)",
              "av_draft_cost_scale", ".1f"),
+            ("Measured drafting cost of a model-free drafter, ms per step, largest over "
+             "request buckets (ours; vllm_av:draft_cost_measured_ms)", "av_draft_measured_ms",
+             ".2f"),
+            ("Measured / profiled cost of steps verifying drafts, largest over token buckets "
+             "(ours; vllm_av:verify_cost_scale)", "av_verify_scale", ".2f"),
+            ("Measured / profiled cost of plain steps (no draft verified), largest over token "
+             "buckets (ours; vllm_av:plain_verify_cost_scale)", "av_plain_verify_scale", ".2f"),
         ):
             if not any(by[a, c].get(key) is not None for a, c in by):
                 continue
