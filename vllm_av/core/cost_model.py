@@ -170,6 +170,14 @@ def _medians(samples: Mapping[int, Iterable[float]], what: str):
     return sizes, costs
 
 
+def _nearest(by_key: Mapping[int, float], keys: np.ndarray) -> np.ndarray:
+    """The value at each of `keys` (any shape) of `by_key`, or at its
+    nearest key (ties: the first in `by_key`'s order)."""
+    known = np.array(list(by_key))
+    vals = np.array(list(by_key.values()))
+    return vals[np.abs(np.asarray(keys)[..., None] - known).argmin(axis=-1)]
+
+
 class CostModel:
     """Step cost = draft_cost(num_reqs) + verify_cost(num_tokens), in ms.
 
@@ -219,12 +227,9 @@ class CostModel:
         r = np.asarray(num_reqs, dtype=np.float64)
         if not self.draft_measured:
             return np.zeros_like(r) if r.ndim else 0.0
-        known = np.array(list(self.draft_measured))
-        vals = np.array(list(self.draft_measured.values()))
         buckets = np.floor(np.log2(np.maximum(r, 1)))
-        out = vals[np.abs(np.atleast_1d(buckets)[:, None] - known[None, :]).argmin(axis=1)]
-        out = np.where(np.atleast_1d(r) > 0, out, 0.0)
-        return out.reshape(r.shape) if r.ndim else float(out[0])
+        out = np.where(r > 0, _nearest(self.draft_measured, buckets), 0.0)
+        return out if r.ndim else float(out)
 
     def set_verify_scale(self, bucket: int, factor: float, plain: bool = False) -> None:
         """The measured correction of token-count bucket floor(log2 n), for
@@ -320,12 +325,8 @@ class CostModel:
             base = self.verify.table(max(stop, 2 * (0 if cached is None else cached.size)))
             size = base.size
             buckets = np.floor(np.log2(np.maximum(np.arange(size), 1))).astype(np.int64)
-            scales = self._scales(plain)
-            known = np.array(list(scales))
-            vals = np.array(list(scales.values()))
             # Each bucket takes its own scale, or the nearest measured one's.
-            nearest = np.abs(buckets[:, None] - known[None, :]).argmin(axis=1)
-            table = np.maximum.accumulate(base * vals[nearest])
+            table = np.maximum.accumulate(base * _nearest(self._scales(plain), buckets))
             table.flags.writeable = False
             self._scaled[plain] = cached = table
         return cached

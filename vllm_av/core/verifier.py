@@ -185,14 +185,19 @@ CALIBRATION_CLIP = (0.05, 100.0)
 UNDRAFTED_FEATURE = 2.0
 
 
+def _recent_median(samples: dict, key: int, value: float) -> float | None:
+    """Add `value` at `key`; the median of its last CALIBRATION_WINDOW once
+    there are CALIBRATION_MIN_SAMPLES of them."""
+    recent = samples.setdefault(key, deque(maxlen=CALIBRATION_WINDOW))
+    recent.append(float(value))
+    return float(np.median(recent)) if len(recent) >= CALIBRATION_MIN_SAMPLES else None
+
+
 def _update_scale(log_ratios: dict, key: int, ratio: float) -> float | None:
     """Add one measured / predicted ratio at `key`; the correction (median
-    of the last CALIBRATION_WINDOW, in log space) once there are enough."""
-    recent = log_ratios.setdefault(key, deque(maxlen=CALIBRATION_WINDOW))
-    recent.append(float(np.log(np.clip(ratio, *CALIBRATION_CLIP))))
-    if len(recent) < CALIBRATION_MIN_SAMPLES:
-        return None
-    return float(np.exp(np.median(recent)))
+    of the recent ones, in log space) once there are enough."""
+    log_scale = _recent_median(log_ratios, key, np.log(np.clip(ratio, *CALIBRATION_CLIP)))
+    return None if log_scale is None else float(np.exp(log_scale))
 
 
 class AdaptiveVerifier:
@@ -372,10 +377,9 @@ class AdaptiveVerifier:
             # Nothing profiled (model-free drafters): the measured time is
             # the cost, a median per request-count bucket.
             bucket = int(np.floor(np.log2(num_reqs)))
-            recent = self._draft_ms.setdefault(bucket, deque(maxlen=CALIBRATION_WINDOW))
-            recent.append(float(ms))
-            if len(recent) >= CALIBRATION_MIN_SAMPLES:
-                self.cost.set_measured_draft_cost(bucket, float(np.median(recent)))
+            measured = _recent_median(self._draft_ms, bucket, ms)
+            if measured is not None:
+                self.cost.set_measured_draft_cost(bucket, measured)
             return
         scale = _update_scale(self._draft_log_scale, depth, ms / predicted)
         if scale is not None:

@@ -39,13 +39,9 @@ def snapshot(verifier) -> dict:
         "predicted": s.predicted.tolist(),
         "observed": s.observed.tolist(),
         "labelled": s.labelled.tolist(),
-        # Measured / profiled cost where timed steps corrected the tables.
-        "draft_cost_scale": {str(d): f for d, f in getattr(cost, "draft_scale", {}).items()},
-        "verify_cost_scale": {str(b): f for b, f in getattr(cost, "verify_scale", {}).items()},
-        "plain_verify_cost_scale": {
-            str(b): f for b, f in getattr(cost, "plain_verify_scale", {}).items()},
-        "draft_cost_measured_ms": {
-            str(b): ms for b, ms in getattr(cost, "draft_measured", {}).items()},
+        # Where timed steps corrected the cost tables (COST_GAUGES).
+        **{key: {str(k): v for k, v in getattr(cost, attr, {}).items()}
+           for key, attr, _, _ in COST_GAUGES},
     }
 
 
@@ -132,24 +128,25 @@ class AVCollector:
         yield pred
         yield obs
         # Cost corrections from timed steps, keyed by an integer label.
-        for key, label, doc in COST_GAUGES:
+        for key, _, label, doc in COST_GAUGES:
             gauge = GaugeMetricFamily(f"{PREFIX}{key}", doc, labels=[label])
             for k, value in sorted(snap.get(key, {}).items(), key=lambda kv: int(kv[0])):
                 gauge.add_metric([k], value)
             yield gauge
 
 
-# (snapshot key = metric name, label, help) of the cost corrections.
+# (snapshot key = metric name, CostModel attribute, label, help) of the
+# cost corrections.
 COST_GAUGES = (
-    ("draft_cost_scale", "depth",
+    ("draft_cost_scale", "draft_scale", "depth",
      "Measured / profiled cost of a drafting step, per depth (timed steps)"),
-    ("verify_cost_scale", "tokens_log2",
+    ("verify_cost_scale", "verify_scale", "tokens_log2",
      "Measured / profiled cost of a step that verifies drafts, apart from drafting, "
      "per bucket of floor(log2(tokens)) (timed steps)"),
-    ("plain_verify_cost_scale", "tokens_log2",
+    ("plain_verify_cost_scale", "plain_verify_scale", "tokens_log2",
      "Measured / profiled cost of a step that verifies no draft (run as plain "
      "decoding), per bucket of floor(log2(tokens)) (timed steps)"),
-    ("draft_cost_measured_ms", "reqs_log2",
+    ("draft_cost_measured_ms", "draft_measured", "reqs_log2",
      "Measured drafting cost (ms per step) of a drafter with no profiled cost "
      "(ngram, suffix), per bucket of floor(log2(requests)) (timed steps)"),
 )

@@ -32,11 +32,15 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
-from vllm_av.vllm.mrv1.async_timing import AsyncStepClock, timing_due
+from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, timing_due
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, plain_steps_enabled
+from vllm_av.vllm.mrv1.plain_step import (
+    PlainZeroDraftStepPatch,
+    plain_steps_enabled,
+    schedules_no_draft,
+)
 from vllm_av.vllm.mrv1.scheduled_depth import ScheduledDepthPatch, register_local_verifier
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
@@ -280,7 +284,7 @@ def _skip_drafter_async(runner, sampled_token_ids):
 # device synchronize on each side on CUDA, this many steps after the last
 # timed one of that kind (`timing_due`), to correct the cost tables
 # (AdaptiveVerifier.observe_draft_time, observe_verify_time).
-DRAFT_TIMING_INTERVAL = 4
+DRAFT_TIMING_INTERVAL = TIMING_INTERVAL
 _LAST_TIMED_ATTR = "_vllm_av_last_timed"  # kind -> the step last timed
 
 
@@ -297,7 +301,7 @@ class _DraftTimer:
 
     def __init__(self, runner, enabled: bool = True):
         step = getattr(runner, _STEP_CALLS_ATTR, 0)
-        self.active = enabled and timing_due(_last_timed(runner), "draft", step, DRAFT_TIMING_INTERVAL)
+        self.active = enabled and timing_due(_last_timed(runner), "draft", step)
         self.runner = runner
         self.ms = None
 
@@ -326,7 +330,7 @@ class _StepTimer:
         n = getattr(runner, _STEP_CALLS_ATTR, 0) + 1
         setattr(runner, _STEP_CALLS_ATTR, n)
         mark = None
-        if num_tokens > 0 and timing_due(_last_timed(runner), ("step", plain), n, DRAFT_TIMING_INTERVAL):
+        if num_tokens > 0 and timing_due(_last_timed(runner), ("step", plain), n):
             sync_device(getattr(runner, "device", None))
             mark = (time.perf_counter(), int(num_tokens), plain)
         setattr(runner, cls.ATTR, mark)
@@ -346,8 +350,7 @@ def runs_plain(runner, scheduler_output) -> bool:
     """Whether a step runs as plain decoding: it verifies no draft and
     PlainZeroDraftStepPatch prepares such steps without speculative
     metadata (its time then corrects the plain verification table)."""
-    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
-    return spec is not None and not any(spec.values()) and plain_steps_enabled(runner)
+    return schedules_no_draft(scheduler_output) and plain_steps_enabled(runner)
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"

@@ -36,6 +36,13 @@ def _attention_only(kv_cache_config) -> bool:
     return bool(specs) and all(isinstance(s, AttentionSpec) for s in specs)
 
 
+def schedules_no_draft(scheduler_output) -> bool:
+    """Whether a step verifies no draft (False when the scheduler output
+    does not say)."""
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    return spec is not None and not any(spec.values())
+
+
 def plain_steps_enabled(runner) -> bool:
     """Decided once per runner, after its KV cache layout is known."""
     enabled = getattr(runner, _ENABLED_ATTR, None)
@@ -79,7 +86,7 @@ class PlainZeroDraftStepPatch(VllmPatch):
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         orig = type(self)._orig__prepare_inputs
-        if scheduler_output.scheduled_spec_decode_tokens or not plain_steps_enabled(self):
+        if not (schedules_no_draft(scheduler_output) and plain_steps_enabled(self)):
             return orig(self, scheduler_output, *args, **kwargs)
         spec_config = self.speculative_config
         self.speculative_config = None
