@@ -178,23 +178,26 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs. GPU 0: ours (both schedulings) against no
-  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: per-phase
-  # breakdowns with torch profiles of plain V1 and ours, synchronous and
-  # async (where a depth-0 step's time goes), the distribution test, then
-  # ours against fixed K=1/3 in their own lane (h200_sweep_b; the seventh
-  # round ran K=1/3/5/7 and the greedy tests of vLLM's AV and K=3).
+  # speculation (V1, V2), vLLM's AV and the ngram arms; then ours against
+  # fixed K=1 (the best fixed K of the seventh round at every concurrency)
+  # in their own folder (h200_sweep_b). GPU 1: per-phase breakdowns with
+  # torch profiles of plain V1 and ours, synchronous and async (where a
+  # depth-0 step's time goes), our AV on Model Runner V2 (smoke), the
+  # greedy tests of ours under graphs (served and async), the
+  # distribution test.
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1 ours ours_async nospecv1_async} breakdown 1
-    lossless_test
-    RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1,k3}" --quiet-start none ) &
+    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1 ours ours_async} breakdown 1
+    mrv2_smoke 1
+    AV_TESTS=${AV_TESTS:-served or async} av_tests
+    lossless_test ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1}" --quiet-start none
   wait $LANE1
   log "done"
   touch "$RES/DONE"
   exit 0
 fi
-
 if [[ $NGPU -gt 1 ]]; then
   ( GPU=1; engine_tests 1; breakdown 1; more_arms; mrv2_smoke 1 ) &
   LANE1=$!
