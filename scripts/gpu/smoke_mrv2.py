@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 
 PROMPTS = [
@@ -108,6 +109,11 @@ def main() -> int:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     os.environ["VLLM_AV_MRV2"] = "1"  # our V2 path is opt-in
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Our manager's counters, as /metrics reads them: a snapshot every step
+    # into a directory of our own (the objects themselves may be out of reach).
+    metrics_dir = tempfile.mkdtemp(prefix="smoke-mrv2-metrics-")
+    os.environ["VLLM_AV_METRICS_DIR"] = metrics_dir
+    os.environ["VLLM_AV_METRICS_INTERVAL"] = "1"
 
     from vllm import LLM, SamplingParams
 
@@ -132,7 +138,10 @@ def main() -> int:
     texts = [o.outputs[0].text for o in outputs]
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     av = av_objects()
+    from vllm_av.vllm.metrics import read_snapshot
     from vllm_av.vllm.patching import applied_patches
+
+    snapshot = read_snapshot(metrics_dir)
 
     result = {
         "impl": args.impl,
@@ -141,13 +150,21 @@ def main() -> int:
         "output_tokens": sum(len(t) for t in token_ids),
         "applied_patches": applied_patches(),
         "av": av,
+        "av_snapshot": snapshot,
         "spec_metrics": spec_metrics(llm),
         "texts": texts,
         "token_ids": token_ids,
     }
     print("RESULT " + json.dumps(result), flush=True)
-    want = "vllm_av.AVManager" if args.impl == "ours" else "vllm.AdaptiveVerificationManager"
-    ok = av["manager"] == want and all(len(t) == args.max_tokens for t in token_ids)
+    # Which manager ran: ours writes the snapshot; vLLM's does not. The
+    # object search is a second witness where the objects are reachable
+    # (on the H200 on 2026-11-30 it found neither manager).
+    ours_ran = bool(snapshot and snapshot.get("steps", 0) > 0)
+    if args.impl == "ours":
+        ok = ours_ran and av["manager"] in ("vllm_av.AVManager", None)
+    else:
+        ok = not ours_ran and av["manager"] in ("vllm.AdaptiveVerificationManager", None)
+    ok = ok and all(len(t) == args.max_tokens for t in token_ids)
     return 0 if ok else 1
 
 

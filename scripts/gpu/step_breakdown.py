@@ -157,20 +157,56 @@ def main() -> None:
         json.dump(result, f, indent=1)
 
 
+# Host-blocking calls: each waits for the device (a 0-d read, a copy to
+# pageable memory, an explicit synchronize), which under async scheduling
+# stalls the CPU's lead over the GPU.
+BLOCKING = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero",
+            "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+            "cudaMemcpy")
+
+
+PY_FRAME = re.compile(r"\.py\(\d+\): ")
+
+
+def blocking_sites(events, frames: int = 3) -> list[tuple[int, str, str]]:
+    """(count, op, call site) of host-blocking calls, most frequent first.
+    The call site is the innermost Python frames outside torch among the
+    call's enclosing events (with_stack=True records Python functions as
+    events named "file.py(line): name")."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for e in events:
+        if e.name not in BLOCKING:
+            continue
+        site, p = [], e.cpu_parent
+        while p is not None and len(site) < frames:
+            if PY_FRAME.search(p.name) and "torch/" not in p.name:
+                site.append(p.name)
+            p = p.cpu_parent
+        counts[(e.name, " <- ".join(site) or "?")] += 1
+    return sorted(((n, op, where) for (op, where), n in counts.items()), reverse=True)
+
+
 def profile_batch(llm, prompts, sp, path: str) -> dict:
     """One batch under torch.profiler (CPU and CUDA activity): the op
-    table by host time, and the steps' count for per-step reading."""
+    table by host time, the host-blocking calls by call site, and the
+    steps' count for per-step reading."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     steps0 = len(TIMES.get("target_step", []))
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
         llm.generate(prompts, sp, use_tqdm=False)
     torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=80)
+    sites = blocking_sites(prof.events())
     with open(path, "w") as f:
         f.write(f"concurrency {len(prompts)}, {sp.max_tokens} tokens each\n{table}\n")
-    return {"concurrency": len(prompts), "table": path, "steps_before": steps0}
+        f.write("\nhost-blocking calls by call site (count, op, innermost frames)\n")
+        for n, op, where in sites[:60]:
+            f.write(f"{n:6d}  {op:28s} {where}\n")
+    return {"concurrency": len(prompts), "table": path, "steps_before": steps0,
+            "blocking": [{"count": n, "op": op, "site": w} for n, op, w in sites[:60]]}
 
 
 if __name__ == "__main__":
