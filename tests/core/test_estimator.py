@@ -288,3 +288,41 @@ def test_prior_survival_is_recomputed_whenever_the_statistics_change():
     p = est.prior_survival(4)
     p.fill_(0.0)
     assert est.prior_survival(4).sum() > 0
+
+
+def test_slope_and_intercepts_read_the_device_once_per_refit(monkeypatch):
+    """The metrics snapshot reads slope and intercepts every few steps; on a
+    GPU each device read waits for the queue. They are read from the device
+    once after each refit and match the coefficients at every step.
+    Negative control: a cache that a refit does not clear serves the old
+    coefficients and is caught."""
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.shape)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    torch.manual_seed(0)
+
+    def drive(est, keep_stale: bool):
+        wrong = 0
+        for step in range(12):
+            for _ in range(3):  # several snapshots between observations
+                if est.slope != est.coefficients[0].item():
+                    wrong += 1
+                assert len(est.intercepts) == 4
+            stale = est._theta_host
+            est.observe(torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 5, (8,)))
+            if keep_stale:
+                est._theta_host = stale
+        return wrong
+
+    est = OnlineAcceptanceEstimator(4, refit_interval=3)
+    assert drive(est, keep_stale=False) == 0
+    assert est.num_refits == 4
+    # One read before the first refit and one after each refit that a read
+    # follows (the 12th observation refits last, and nothing reads after it).
+    assert len(reads) == est.num_refits
+    assert drive(OnlineAcceptanceEstimator(4, refit_interval=3), keep_stale=True) > 0

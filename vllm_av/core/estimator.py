@@ -187,6 +187,10 @@ class OnlineAcceptanceEstimator:
         if b.numel() not in (1, K):
             raise ValueError(f"intercept needs 1 or {K} values, got {b.numel()}")
         self._theta = torch.cat([torch.tensor([float(slope)]), b.expand(K)]).to(device)
+        # Host copy of theta for slope / intercepts, read once per refit: the
+        # metrics snapshot reads them every few steps, and on a GPU each read
+        # would wait for the device (a stall of the async pipeline).
+        self._theta_host: list[float] | None = None
         # Window statistics, cleared at every refit. float64: a window sums
         # thousands of p(1-p) f^2 terms.
         self._hess = torch.zeros(P, P, dtype=torch.float64, device=device)  # [P, P]
@@ -221,15 +225,22 @@ class OnlineAcceptanceEstimator:
         self._prior_host_memo.clear()
         return self
 
+    def _host_theta(self) -> list[float]:
+        if self._theta_host is None:
+            self._theta_host = self._theta.tolist()
+        return self._theta_host
+
     @property
     def slope(self) -> float:
-        """Shared slope w as a Python float (host sync: for logging only)."""
-        return float(self._theta[0].item())
+        """Shared slope w as a Python float (a host sync after each refit;
+        for logging and metrics)."""
+        return float(self._host_theta()[0])
 
     @property
     def intercepts(self) -> list[float]:
-        """Intercepts b_0..b_{K-1} as Python floats (host sync: logging only)."""
-        return self._theta[1:].tolist()
+        """Intercepts b_0..b_{K-1} as Python floats (a host sync after each
+        refit; for logging and metrics)."""
+        return list(self._host_theta()[1:])
 
     @property
     def coefficients(self) -> torch.Tensor:
@@ -372,6 +383,7 @@ class OnlineAcceptanceEstimator:
         # (or the precision): keep the old ones unless every entry is finite.
         ok = torch.isfinite(new).all()
         self._theta = torch.where(ok, new, self._theta.double()).float()
+        self._theta_host = None
         if self.memory > 0:
             self._precision = torch.where(
                 torch.isfinite(self._precision).all(), self._precision, torch.zeros_like(eye)
