@@ -101,6 +101,38 @@ def run(R: int, steps: int, seed: int = 0, record: bool = False) -> dict:
     return out
 
 
+def _dear_drafting_cost() -> CostModel:
+    # The served regime with the real pair on the H200: drafting dearer than
+    # anything verification could recover, depth 0 skips the drafter.
+    cost = CostModel.from_samples({1: [2.5], 256: [3.0], 1024: [6.0]}, {1: [20.0], 256: [35.0]})
+    cost.free_zero_depth = True
+    return cost
+
+
+def run_depth_zero(R: int, steps: int, remember: bool, seed: int = 0) -> dict:
+    """`choose_depth` where drafting does not pay (depth 0 but for the
+    exploration steps), with the depth-0 choice remembered between steps
+    (as served) or searched every step (`remember=False`); median us."""
+    rng = np.random.default_rng(seed)
+    v = AdaptiveVerifier(K, _dear_drafting_cost())
+    ids = [f"r{i}" for i in range(R)]
+    times, depths = [], []
+    for _ in range(steps):
+        if not remember:
+            v._zero_depth_memo = None
+        t0 = time.perf_counter()
+        d = v.choose_depth(ids, num_sampling=R, num_other_tokens=R)
+        times.append((time.perf_counter() - t0) * 1e6)
+        depths.append(d)
+        if d:
+            feats = torch.from_numpy(rng.normal(2.0, 1.5, size=(R, K)).astype(np.float32))
+            admitted = v.admit(ids, feats, np.full(R, d), R, R)
+            v.begin_step()
+            v.observe(ids, admitted, np.minimum(admitted, 1))
+    return {"choose_depth_us": statistics.median(times[WARMUP:]),
+            "zero_depth_share": float(np.mean(np.array(depths) == 0))}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="after", help="key of this run in the JSON (before/after)")
@@ -121,6 +153,15 @@ def main(argv=None) -> None:
         rows[str(R)] = {k: round(x, 1) for k, x in r.items()}
         print(f"R={R:4d} K={K}: step {r['step']:8.1f} us  (observe+forget {r['observe']:7.1f}, "
               f"choose_depth {r['choose_depth']:7.1f}, admit {r['admit']:7.1f})")
+    depth_zero = {}
+    for R in SHAPES:
+        on, off = (run_depth_zero(R, args.steps, remember) for remember in (True, False))
+        depth_zero[str(R)] = {"remembered_us": round(on["choose_depth_us"], 1),
+                              "searched_us": round(off["choose_depth_us"], 1),
+                              "zero_depth_share": on["zero_depth_share"]}
+        print(f"R={R:4d} depth 0 ({on['zero_depth_share']:.0%} of steps): choose_depth "
+              f"{on['choose_depth_us']:7.1f} us remembered, {off['choose_depth_us']:7.1f} us "
+              f"searched every step")
 
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data["what"] = ("median host microseconds per engine step of AdaptiveVerifier "
@@ -132,6 +173,9 @@ def main(argv=None) -> None:
         "machine": f"{platform.node()} {platform.machine()} (shared 2-core box)",
         "torch": torch.__version__,
         "per_R": rows,
+        # choose_depth where drafting does not pay, depth-0 choice remembered
+        # or searched every step (run_depth_zero).
+        "depth_zero": depth_zero,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))

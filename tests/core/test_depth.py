@@ -465,3 +465,48 @@ def test_skipping_depths_that_cannot_pay_keeps_every_decision(monkeypatch):
             caught += v._best_depth(ids, R, R) != want
     assert 0 in decisions and max(decisions) > 0  # both regimes covered
     assert caught > 0  # the check can fail
+
+
+def test_a_depth_zero_choice_is_reused_only_while_nothing_it_reads_changes(monkeypatch):
+    """After a depth-0 step every row is the estimator's prior, so the
+    choice is remembered while the batch's counts, the prior and the costs
+    stay as they were: the search runs once for a run of such steps, and a
+    cost correction that makes drafting pay shows at the next step, as a
+    fresh search gives it. Negative control: a remembered choice keyed
+    without the costs' version keeps depth 0 after the correction."""
+    searches = []
+    search = AdaptiveVerifier._search_depth
+
+    def counted(self, *args):
+        searches.append(1)
+        return search(self, *args)
+
+    monkeypatch.setattr(AdaptiveVerifier, "_search_depth", counted)
+    # No exploration step (depth K whatever the search says) in the way.
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MIN_INTERVAL", 10**9)
+
+    def run(keep_version: bool) -> tuple[list[int], int]:
+        v = _costly_drafter()
+        v.cost.free_zero_depth = True
+        ids = _ids(16)
+        depths = [v.choose_depth(ids, 16, 16) for _ in range(20)]
+        assert depths == [0] * 20
+        n = len(searches)
+        for d in range(1, K + 1):
+            version = v.cost.version
+            v.cost.set_draft_scale(d, 1e-9)  # drafting now costs next to nothing
+            if keep_version:
+                v.cost.version = version
+        after = v.choose_depth(ids, 16, 16)
+        fresh = search(v, np.broadcast_to(v._prior_host(), (16, K)), 16, 16)
+        return [after, fresh], n
+
+    searches.clear()
+    (after, fresh), n = run(keep_version=False)
+    # Twenty depth-0 steps, two searches: the first step's (no depth chosen
+    # before it) and the first in the depth-0 regime; none after.
+    assert n == 2
+    assert after == fresh > 0
+    searches.clear()
+    (stale, fresh), _ = run(keep_version=True)
+    assert stale == 0 and fresh > 0

@@ -216,10 +216,14 @@ class CostModel:
         # (floor(log2 r)) where nothing was profiled (model-free drafters;
         # AdaptiveVerifier.observe_draft_time); empty: none charged.
         self.draft_measured: dict[int, float] = {}
+        # Bumped by every correction (the set_* methods), so a caller can
+        # tell whether anything it computed from these costs is still valid.
+        self.version = 0
 
     def set_measured_draft_cost(self, bucket: int, ms: float) -> None:
         """The measured drafting cost of request-count bucket floor(log2 r)."""
         self.draft_measured[int(bucket)] = float(ms)
+        self.version += 1
 
     def _measured_draft(self, num_reqs):
         """Measured drafting cost at `num_reqs` (each bucket its own, or the
@@ -239,10 +243,12 @@ class CostModel:
             return  # a median often stays put: keep the scaled tables
         scales[int(bucket)] = float(factor)
         self._scaled = {}
+        self.version += 1
 
     def set_draft_scale(self, depth: int, factor: float) -> None:
         """The measured correction of drafting at `depth`."""
         self.draft_scale[int(depth)] = float(factor)
+        self.version += 1
 
     def _draft_scale(self, depth: int) -> float:
         if not self.draft_scale:

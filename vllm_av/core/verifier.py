@@ -82,6 +82,27 @@ def _to_device(values: np.ndarray, device) -> torch.Tensor:
     return t.to(device)
 
 
+def _fetch_together(admitted: torch.Tensor, stacked: torch.Tensor,
+                    fetch: torch.Tensor | None):
+    """admitted [R], stacked [2, R, k] (survival, confidence) and `fetch` on
+    the host in one transfer (on CUDA each .cpu() waits for the device).
+    float64 holds int32 counts, float32 scores and integers below 2**53
+    exactly. Returns admitted (int64), survival and confidence (float32,
+    [R, k] each) and fetch (int64, its shape; None without it)."""
+    if fetch is not None and (fetch.dtype.is_floating_point or fetch.dtype.is_complex):
+        raise TypeError(f"fetch must be an integer tensor, got {fetch.dtype}")
+    parts = [admitted.reshape(-1), stacked.reshape(-1)]
+    if fetch is not None:
+        parts.append(fetch.reshape(-1).to(stacked.device))
+    host = torch.cat([p.double() for p in parts]).cpu().numpy()
+    R, n = admitted.numel(), stacked.numel()
+    surv_np, conf_np = host[R:R + n].astype(np.float32).reshape(stacked.shape)
+    fetched = None
+    if fetch is not None:
+        fetched = host[R + n:].astype(np.int64).reshape(tuple(fetch.shape))
+    return host[:R].astype(np.int64), surv_np, conf_np, fetched
+
+
 class _Drafts:
     """Admitted drafts awaiting their outcome, by request slot.
 
@@ -260,6 +281,8 @@ class AdaptiveVerifier:
         # Recent measured drafting times per request-count bucket, for
         # drafters with no profiled cost (model-free).
         self._draft_ms: dict[int, deque] = {}
+        # The last depth-0-regime choice and what it was computed from.
+        self._zero_depth_memo = None
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -388,10 +411,25 @@ class AdaptiveVerifier:
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K
         if self._last_depth == 0:
+            # Every row is the estimator's prior: the choice depends on the
+            # batch's counts, the prior and the costs alone, so a run of
+            # depth-0 steps with none of them changed repeats it without the
+            # search (host time on every step an engine drafts nothing).
             prior = self._prior_host()  # [K]
-            rows = np.broadcast_to(prior, (R, K))
-        else:
-            rows = self.stale_scores(req_ids, np.full(R, K)).reshape(R, K)
+            key = (R, num_sampling, num_other_tokens, self.cost, self.cost.version,
+                   self.cost.free_zero_depth)
+            memo = self._zero_depth_memo
+            if memo is not None and memo[0] == key and memo[1] is prior:
+                return memo[2]
+            d = self._search_depth(np.broadcast_to(prior, (R, K)), num_sampling,
+                                   num_other_tokens)
+            self._zero_depth_memo = (key, prior, d)  # holds `prior`: its id stays its own
+            return d
+        rows = self.stale_scores(req_ids, np.full(R, K)).reshape(R, K)
+        return self._search_depth(rows, num_sampling, num_other_tokens)
+
+    def _search_depth(self, rows: np.ndarray, num_sampling: int, num_other_tokens: int) -> int:
+        R, K = rows.shape
         best_d, best_rate = 0, -1.0
         for d in range(K + 1):
             cost_d = self.cost.at_depth(d, K)
@@ -471,6 +509,21 @@ class AdaptiveVerifier:
         num_other_tokens: int,
         admit_all: bool = False,
     ) -> np.ndarray:
+        """Decide how many drafts of each request to verify (see
+        `admit_fetching`, which this is without a tensor to fetch)."""
+        return self.admit_fetching(req_ids, features, num_drafted, num_sampling,
+                                   num_other_tokens, admit_all=admit_all)[0]
+
+    def admit_fetching(
+        self,
+        req_ids: list[str],
+        features: torch.Tensor,
+        num_drafted: np.ndarray,
+        num_sampling: int,
+        num_other_tokens: int,
+        admit_all: bool = False,
+        fetch: torch.Tensor | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Decide how many drafts of each request to verify.
 
         req_ids: [R] request ids, in the rows' order.
@@ -481,7 +534,13 @@ class AdaptiveVerifier:
         num_other_tokens: tokens of that step that are not drafts.
         admit_all: verify every draft (the engine scheduled them already:
             async scheduling); the drafts are recorded for `observe` as usual.
-        Returns admitted [R] (host ints): a prefix length per request.
+        fetch: an integer tensor the caller needs on the host as well (the
+            drafted token ids, values below 2**53), brought over in the same
+            transfer as the admission: on CUDA one wait for the device per
+            call, the one an engine that hands drafts to a host scheduler
+            pays anyway.
+        Returns admitted [R] (host ints, a prefix length per request) and
+        `fetch` on the host (int64 numpy, None without it).
         """
         num_drafted = np.asarray(num_drafted, dtype=np.int64)
         R, k = features.shape
@@ -501,8 +560,15 @@ class AdaptiveVerifier:
         features = self._fill_undrafted(features, drafted_t)
         conf = self.estimator.predict(features)  # [R, k]
         surv = survival(conf)  # [R, k]
-        admitted = (num_drafted.copy() if admit_all
-                    else self.selector(surv, drafted_t, budget).cpu().numpy())  # [R]
+        stacked = torch.stack([surv.float(), conf.float()])  # [2, R, k]
+        fetched = None
+        if admit_all:
+            admitted = num_drafted.copy()
+            if fetch is not None:
+                fetched = fetch.cpu().numpy().astype(np.int64)
+        else:
+            admitted_t = self.selector(surv, drafted_t, budget)  # [R], on device
+            admitted, surv_np, conf_np, fetched = _fetch_together(admitted_t, stacked, fetch)
 
         rows = np.flatnonzero(num_drafted > 0)  # requests that drafted
         ids = [req_ids[r] for r in rows]
@@ -510,7 +576,6 @@ class AdaptiveVerifier:
         # their slots are assigned).
         new = self._slots_of(ids) < 0 if admit_all else None
         slots = self._assign_slots(ids)
-        stacked = torch.stack([surv.float(), conf.float()])  # [2, R, k]
         if admit_all:
             # Nothing here needs the values now: copy them when they are.
             # Until then a new request's row is the prior, not whatever
@@ -519,8 +584,6 @@ class AdaptiveVerifier:
                 self._stale_rows[slots[new], :k] = self._prior_host()[:k]
             self._defer(slots, rows, k, stacked)
         else:
-            # One copy to the host for both (each .cpu() is a sync on CUDA).
-            surv_np, conf_np = stacked.cpu().numpy()  # [R, k] each
             self._stale_rows[slots, :k] = surv_np[rows]
             self._pending.conf[slots, :k] = conf_np[rows]
         self._stale_width[slots] = k
@@ -538,7 +601,7 @@ class AdaptiveVerifier:
         s.admitted += int(admitted.sum())
         s.trimmed += int(num_drafted.sum() - admitted.sum())
         s.last_budget = int(budget)
-        return admitted
+        return admitted, fetched
 
     def _defer(self, slots: np.ndarray, rows: np.ndarray, k: int, stacked: torch.Tensor) -> None:
         event = None

@@ -396,22 +396,23 @@ def _admit(runner, verifier, drafts, recorded, lossy_top=None):
     req_ids = list(runner.input_batch.req_ids)
     num_reqs = len(req_ids)
     K = verifier.K
-    if torch.is_tensor(drafts):
-        rows = drafts[:num_reqs].tolist()
+    on_device = torch.is_tensor(drafts)
+    if on_device:
         # A request still in (chunked) prefill drafts nothing the scheduler
         # will keep: vLLM discards its sampled token and its drafts.
         discard = runner.discard_request_mask.np[:num_reqs]
         num_drafted = np.where(discard, 0, drafts.shape[1]).astype(np.int64)
+        rows = None  # the token ids come over with the admission (one transfer)
     else:
         rows = [list(r) for r in drafts]
         num_drafted = np.array([len(r) for r in rows], dtype=np.int64)
     num_drafted = np.minimum(num_drafted, K)
     if num_drafted.sum() == 0:
-        return [r[: int(n)] for r, n in zip(rows, num_drafted)]
+        return [[] for _ in range(num_reqs)]
 
     features = _features(recorded, num_reqs, num_drafted, K)
     num_decoding = int((num_drafted > 0).sum())
-    admitted = verifier.admit(
+    admitted, fetched = verifier.admit_fetching(
         req_ids,
         features,
         num_drafted,
@@ -419,7 +420,10 @@ def _admit(runner, verifier, drafts, recorded, lossy_top=None):
         # non-draft token (the one it sampled this step).
         num_sampling=num_decoding,
         num_other_tokens=num_decoding,
+        fetch=drafts[:num_reqs] if on_device else None,
     )
+    if on_device:
+        rows = fetched.tolist()
     # A request with its own seed is verified in full, so that its output
     # depends on its seed alone (as without AV), not on how much of its
     # draft the load of the moment let through. The override is fixed per
