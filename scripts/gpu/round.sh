@@ -181,15 +181,15 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # speculation (V1, V2), vLLM's AV and the ngram arms; then ours against
   # fixed K=1 (the best fixed K of the seventh round at every concurrency)
   # in their own folder (h200_sweep_b). GPU 1: per-phase breakdowns with
-  # torch profiles of plain V1 and ours, synchronous and async (where a
-  # depth-0 step's time goes), our AV on Model Runner V2 (smoke), the
-  # greedy tests of ours under graphs (served and async), the
-  # distribution test.
+  # torch profiles and host-blocking call sites of plain V1 and ours,
+  # async first (the eighth round left the async gap unexplained), our
+  # AV on Model Runner V2 (smoke), the distribution test, then the greedy
+  # tests of ours under graphs (served and async).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1 ours ours_async} breakdown 1
+    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async nospecv1 ours} breakdown 1
     mrv2_smoke 1
-    AV_TESTS=${AV_TESTS:-served or async} av_tests
-    lossless_test ) &
+    lossless_test
+    AV_TESTS=${AV_TESTS:-served or async} av_tests ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
   RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1}" --quiet-start none
