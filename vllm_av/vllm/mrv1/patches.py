@@ -36,11 +36,7 @@ from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, timi
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.plain_step import (
-    PlainZeroDraftStepPatch,
-    plain_steps_enabled,
-    schedules_no_draft,
-)
+from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, runs_plain
 from vllm_av.vllm.mrv1.scheduled_depth import ScheduledDepthPatch, register_local_verifier
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
@@ -344,13 +340,6 @@ class _StepTimer:
         sync_device(getattr(runner, "device", None))
         t0, num_tokens, plain = mark
         verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3, plain=plain)
-
-
-def runs_plain(runner, scheduler_output) -> bool:
-    """Whether a step runs as plain decoding: it verifies no draft and
-    PlainZeroDraftStepPatch prepares such steps without speculative
-    metadata (its time then corrects the plain verification table)."""
-    return schedules_no_draft(scheduler_output) and plain_steps_enabled(runner)
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"

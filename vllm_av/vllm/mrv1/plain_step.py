@@ -58,6 +58,13 @@ def plain_steps_enabled(runner) -> bool:
     return enabled
 
 
+def runs_plain(runner, scheduler_output) -> bool:
+    """Whether a step runs as plain decoding: it verifies no draft and
+    PlainZeroDraftStepPatch prepares such steps without speculative
+    metadata (its time then corrects the plain verification table)."""
+    return schedules_no_draft(scheduler_output) and plain_steps_enabled(runner)
+
+
 class PlainZeroDraftStepPatch(VllmPatch):
     """Prepare a step that verifies no draft as a plain decoding step.
 
@@ -86,7 +93,7 @@ class PlainZeroDraftStepPatch(VllmPatch):
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         orig = type(self)._orig__prepare_inputs
-        if not (schedules_no_draft(scheduler_output) and plain_steps_enabled(self)):
+        if not runs_plain(self, scheduler_output):
             return orig(self, scheduler_output, *args, **kwargs)
         spec_config = self.speculative_config
         self.speculative_config = None
