@@ -147,6 +147,12 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # VLLM_AV_TEST_CPU_ASYNC=1).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1),
                    ("--async-scheduling",))
+    if base == "ours_async_plain":
+        # ... and steps that verify and draft nothing handed to vLLM as plain
+        # async steps (option async_plain_steps).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
+                                               ("VLLM_AV_ASYNC_PLAIN_STEPS", "1")),
+                   ("--async-scheduling",))
     if base == "vllm_av" and family == "draft":
         # vLLM's built-in AV exists on Model Runner V2 only (GPU).
         env = (("VLLM_AV_IMPL", "vllm"),)
@@ -154,7 +160,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"vllm_av, ours, ours_async, ngram_nospec, ngram_k<N>, ngram_ours")
+                     f"vllm_av, ours, ours_async, ours_async_plain, ngram_nospec, ngram_k<N>, ngram_ours")
 
 
 # ---------------------------------------------------------------- prompts

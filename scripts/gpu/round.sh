@@ -184,15 +184,16 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # torch profiles and host-blocking call sites of plain V1 and ours,
   # async first (the eighth round left the async gap unexplained), our
   # AV on Model Runner V2 (smoke), the distribution test, then the greedy
-  # tests of ours under graphs (V1 served and async, and on MRV2).
+  # tests of ours under graphs (V1 served and async, and on MRV2). Ours
+  # async is benched with and without option async_plain_steps.
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async nospecv1 ours} breakdown 1
+    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_plain_async ours_async} breakdown 1
     mrv2_smoke 1
     lossless_test
     AV_TESTS=${AV_TESTS:-served or async or model_runner_v2} av_tests ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
-  RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1}" --quiet-start none
+  ARMS=${ARMS:-ours_async_plain,ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  RUN=h200_sweep_b sweep "${ARMS2:-ours_async_plain,k1}" --quiet-start none
   wait $LANE1
   log "done"
   touch "$RES/DONE"

@@ -125,6 +125,11 @@ class AVOptions:
     # every drafted token is verified; no per-slot trimming, which needs the
     # drafts before they are scheduled (vllm_av/vllm/mrv1/scheduled_depth.py).
     scheduled_depth: bool = False
+    # With scheduled depth: a step that verifies no draft and drafts none
+    # hands vLLM nothing to correct next step (no valid-count copy, so no
+    # correction kernel), as a plain async step does. Off: such a step
+    # copies its sampled-token counts as vLLM's drafting path would.
+    async_plain_steps: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

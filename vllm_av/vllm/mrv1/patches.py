@@ -215,7 +215,8 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
     if timed:
         clock.drafting_starts()
     if depth == 0 and options is not None and options.zero_depth_skips_drafter:
-        out = _skip_drafter_async(runner, sampled_token_ids)
+        plain = options.async_plain_steps and schedules_no_draft(scheduler_output)
+        out = _skip_drafter_async(runner, sampled_token_ids, copy_counts=not plain)
     else:
         out = _draft_scheduled(runner, verifier, orig, scheduler_output,
                                sampled_token_ids, *args, **kwargs)
@@ -256,14 +257,18 @@ def _draft_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids
     return drafts
 
 
-def _skip_drafter_async(runner, sampled_token_ids):
+def _skip_drafter_async(runner, sampled_token_ids, copy_counts: bool = True):
     """A depth-0 step under async scheduling without the drafter: what
     vLLM's runner does when a drafter's input does not fit. The next step's
     input preparation still reads how many of this step's sampled tokens
-    are valid, so that count is copied as vLLM's drafting path would."""
+    are valid, so that count is copied as vLLM's drafting path would.
+    `copy_counts=False` (a step that verified no draft): every valid count
+    is 1 and nothing is left to correct, so vLLM's runner takes its plain
+    path next step (the sampled tokens stay its next input, set by its
+    bookkeeping)."""
     drafter = runner.drafter
     prepare = getattr(drafter, "prepare_next_token_ids_padded", None)
-    if (prepare is not None and torch.is_tensor(sampled_token_ids)
+    if (copy_counts and prepare is not None and torch.is_tensor(sampled_token_ids)
             and getattr(runner, "valid_sampled_token_count_event", None) is not None):
         next_token_ids, valid_counts = prepare(
             sampled_token_ids, runner.requests, runner.input_batch,
