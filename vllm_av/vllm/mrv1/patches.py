@@ -36,7 +36,7 @@ from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, timi
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
-from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, runs_plain
+from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, runs_plain, schedules_no_draft
 from vllm_av.vllm.mrv1.scheduled_depth import ScheduledDepthPatch, register_local_verifier
 from vllm_av.vllm.mrv1.startup import build_verifier, drafter_depth, sync_device
 from vllm_av.vllm.patching import VllmPatch
