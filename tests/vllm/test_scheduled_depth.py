@@ -55,11 +55,13 @@ def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
 
 
 def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
-              calibrate: bool = False):
+              calibrate: bool = False, plain_async_steps: bool = True):
     """Greedy outputs of our AV under async scheduling, its AV counters, the
     engine's scheduler and runner as seen in-process, how many times the
-    drafter ran, and the cost corrections the verifier made (none unless
-    `calibrate`)."""
+    drafter and vLLM's async correction kernel ran, and the cost corrections
+    the verifier made (none unless `calibrate`)."""
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -71,6 +73,11 @@ def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
         mp.setenv("VLLM_AV_CALIBRATE_COSTS", "1" if calibrate else "0")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
+        mp.setenv("VLLM_AV_ASYNC_PLAIN_STEPS", "1" if plain_async_steps else "0")
+        corrections = []
+        correct = runner_module.update_num_computed_tokens_for_batch_change
+        mp.setattr(runner_module, "update_num_computed_tokens_for_batch_change",
+                   lambda *a, **kw: corrections.append(1) or correct(*a, **kw))
         llm = make_llm(
             tiny_models, async_scheduling=True,
             spec={"method": "draft_model", "num_speculative_tokens": K,
@@ -95,6 +102,7 @@ def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
     finally:
         mp.undo()
     engine["drafter_calls"] = len(drafter_calls)
+    engine["correction_kernels"] = len(corrections)
     return ours, av_stats(tmp / "metrics"), engine
 
 
@@ -110,32 +118,38 @@ def async_runs(tiny_models, tmp_path_factory):
     # Long enough for exploration steps (test_adaptive_depth.py).
     dear = run_async(tiny_models, tmp_path_factory.mktemp("dear"), DEAR_DRAFT_MS,
                      EXPLORE_TOKENS)
+    # Control: the same, with depth-0 steps copying their counts for vLLM's
+    # correction as its drafting path does (async_plain_steps off).
+    dear_copying = run_async(tiny_models, tmp_path_factory.mktemp("dear_copying"),
+                             DEAR_DRAFT_MS, EXPLORE_TOKENS, plain_async_steps=False)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm = make_llm(tiny_models, spec=None)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts(NUM_PROMPTS), sp)]
     shutdown(llm)
-    return ours, ref, stats, engine, dear
+    return ours, ref, stats, engine, dear, dear_copying
 
 
 def test_engine_schedules_asynchronously_with_our_depth(async_runs):
-    _, _, _, engine, _ = async_runs
+    _, _, _, engine, _, _ = async_runs
     engine = dict(engine)
     assert engine.pop("drafter_calls") > 0
     engine.pop("corrections")
+    engine.pop("correction_kernels")
     assert engine == {"scheduler": "AsyncScheduler", "lookup": "DepthFromVerifier",
                       "runner_async": True}
 
 
 def test_greedy_outputs_identical_to_no_speculation(async_runs):
-    ours, ref, _, _, (dear, _, _) = async_runs
+    ours, ref, _, _, (dear, _, _), (dear_copying, _, _) = async_runs
     assert ours == ref
     assert [o[:MAX_TOKENS] for o in dear] == ref
+    assert [o[:MAX_TOKENS] for o in dear_copying] == ref
 
 
 def test_outcomes_are_observed_a_step_late_and_nothing_is_trimmed(async_runs):
     """An engine that never observed (outcomes lost under async scheduling)
     would show verified == 0 and no labels."""
-    _, _, s, _, _ = async_runs
+    _, _, s, _, _, _ = async_runs
     print(f"async: {s}")
     assert s["depth_steps"] > 0 and s["zero_depth_steps"] < s["depth_steps"], s
     assert s["trimmed"] == 0, s
@@ -149,7 +163,7 @@ def test_depth_zero_steps_skip_the_drafter(async_runs):
     on them (the scheduled path's `zero_depth_skips_drafter`), yet the
     steps that do draft are verified and observed. An engine that ran the
     drafter's KV-sync forward at depth 0 calls it on every step and fails."""
-    _, _, _, _, (_, s, engine) = async_runs
+    _, _, _, _, (_, s, engine), _ = async_runs
     drafting_steps = s["depth_steps"] - s["zero_depth_steps"]
     print(f"async, dear drafting: {s}; drafter calls {engine['drafter_calls']}")
     assert s["zero_depth_steps"] > s["depth_steps"] / 2, s
@@ -163,8 +177,26 @@ def test_costs_are_corrected_from_timed_steps_without_a_synchronize(async_runs):
     """With calibration on, steps timed by marks read later (async_timing.py;
     host marks on the CPU) correct both tables; with it off (the dear run)
     nothing is corrected, so a correction cannot come from elsewhere."""
-    _, _, _, engine, (_, _, dear_engine) = async_runs
+    _, _, _, engine, (_, _, dear_engine), _ = async_runs
     print(f"corrections: {engine['corrections']}")
     assert engine["corrections"]["verify"], engine
     assert engine["corrections"]["draft"], engine
     assert dear_engine["corrections"] == {"verify": {}, "draft": {}}
+
+
+def test_plain_async_steps_leave_vllm_nothing_to_correct(async_runs):
+    """Dear drafting: a depth-0 step that verified no draft hands vLLM no
+    sampled-token counts (async_plain_steps), so its correction kernel runs
+    only after steps that drafted or verified drafts: at most twice per
+    drafting step (plus the first step after start). The control copies the
+    counts on every depth-0 step, as vLLM's not-drafting path does, and
+    runs the kernel on nearly every step; its outputs are the same (see
+    test_greedy_outputs_identical_to_no_speculation)."""
+    _, _, _, _, (_, s, engine), (_, s_copying, copying) = async_runs
+    drafting_steps = s["depth_steps"] - s["zero_depth_steps"]
+    print(f"correction kernels: {engine['correction_kernels']} ({drafting_steps} drafting "
+          f"steps of {s['depth_steps']}); copying control {copying['correction_kernels']} "
+          f"({s_copying['depth_steps'] - s_copying['zero_depth_steps']} of "
+          f"{s_copying['depth_steps']})")
+    assert engine["correction_kernels"] <= 2 * drafting_steps + 1, (engine, s)
+    assert copying["correction_kernels"] > s_copying["depth_steps"] / 2, (copying, s_copying)
