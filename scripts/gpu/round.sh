@@ -131,6 +131,7 @@ breakdown() {  # breakdown <gpu>
     log "step breakdown $name"
     timeout 400 python3 scripts/gpu/step_breakdown.py --arm "$arm" "${extra[@]}" \
       --concurrency "${BREAKDOWN_CONC:-16,1,64}" --torch-profile "$RES/profile_$name.txt" \
+      ${BREAKDOWN_TRACE:+--trace "$RES/trace_$name.json.gz"} \
       --out "$RES/breakdown_$name.json" > "$RES/breakdown_$name.log" 2>&1
     log "breakdown $name exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$name.log" | tail -5
   done
@@ -187,7 +188,8 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # tests of ours under graphs (V1 served and async, and on MRV2). Ours
   # async is benched with and without option async_plain_steps.
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_plain_async ours_async} breakdown 1
+    BREAKDOWN_CONC=${BREAKDOWN_CONC:-1,16,64} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
+      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async} breakdown 1
     mrv2_smoke 1
     lossless_test
     AV_TESTS=${AV_TESTS:-served or async or model_runner_v2} av_tests ) &

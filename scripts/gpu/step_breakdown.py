@@ -113,6 +113,9 @@ def main() -> None:
     p.add_argument("--torch-profile", default="",
                    help="also profile one untimed batch at the first concurrency with "
                         "torch.profiler (CPU + CUDA) and write its op table here")
+    p.add_argument("--trace", default="",
+                   help="with --torch-profile: also write the profiled batch's timeline "
+                        "here as a gzipped Chrome trace (chrome://tracing, Perfetto)")
     args = p.parse_args()
     spec, env = arm_config(args.arm, os.environ["DRAFT_MODEL"])
     os.environ.update(env)
@@ -155,7 +158,8 @@ def main() -> None:
         c = int(args.concurrency.split(",")[0])
         prompts = [texts[i % len(texts)] for i in range(c)]
         sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
-        result["torch_profile"] = profile_batch(llm, prompts, sp, args.torch_profile)
+        result["torch_profile"] = profile_batch(llm, prompts, sp, args.torch_profile,
+                                                args.trace)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -189,26 +193,59 @@ def blocking_sites(events, frames: int = 3) -> list[tuple[int, str, str]]:
     return sorted(((n, op, where) for (op, where), n in counts.items()), reverse=True)
 
 
-def profile_batch(llm, prompts, sp, path: str) -> dict:
+def gpu_busy_ms(events) -> float:
+    """Time the GPU spent running kernels or copies: the union of their
+    intervals (overlapping streams counted once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1e3  # us -> ms
+
+
+def profile_batch(llm, prompts, sp, path: str, trace: str = "") -> dict:
     """One batch under torch.profiler (CPU and CUDA activity): the op
-    table by host time, the host-blocking calls by call site, and the
-    steps' count for per-step reading."""
+    table by host time, the host-blocking calls by call site, how much of
+    the batch's wall time the GPU was busy (the rest it waited for the
+    host), the steps' count for per-step reading and, with `trace`, the
+    timeline as a gzipped Chrome trace."""
+    import gzip
+    import shutil
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     steps0 = len(TIMES.get("target_step", []))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=True) as prof:
+        t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=80)
     sites = blocking_sites(prof.events())
+    busy = gpu_busy_ms(prof.events())
     with open(path, "w") as f:
         f.write(f"concurrency {len(prompts)}, {sp.max_tokens} tokens each\n{table}\n")
+        f.write(f"\nGPU busy {busy:.1f} ms of {wall_ms:.1f} ms wall (profiled)\n")
         f.write("\nhost-blocking calls by call site (count, op, innermost frames)\n")
         for n, op, where in sites[:60]:
             f.write(f"{n:6d}  {op:28s} {where}\n")
+    if trace:
+        raw = trace + ".json"
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
     return {"concurrency": len(prompts), "table": path, "steps_before": steps0,
+            "wall_ms": wall_ms, "gpu_busy_ms": busy, "trace": trace,
             "blocking": [{"count": n, "op": op, "site": w} for n, op, w in sites[:60]]}
 
 
