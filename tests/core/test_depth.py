@@ -510,3 +510,46 @@ def test_a_depth_zero_choice_is_reused_only_while_nothing_it_reads_changes(monke
     searches.clear()
     (stale, fresh), _ = run(keep_version=True)
     assert stale == 0 and fresh > 0
+
+
+def test_the_exploration_interval_is_recomputed_only_when_what_it_reads_changes(monkeypatch):
+    """Past the step-count floor the exploration interval is asked every
+    step; it is computed again only when the batch's counts, the last depth
+    or the costs change, and a cost correction shows at the next ask as a
+    fresh computation gives it. Negative control: an interval keyed without
+    the costs' version stays as it was after the correction."""
+    computed = []
+    compute = AdaptiveVerifier._compute_explore_interval
+
+    def counted(self, *args):
+        computed.append(1)
+        return compute(self, *args)
+
+    monkeypatch.setattr(AdaptiveVerifier, "_compute_explore_interval", counted)
+
+    def run(keep_version: bool):
+        v = _costly_drafter(draft_ms=5.0)  # dear enough for depth 0, explored now and then
+        v.cost.free_zero_depth = True
+        ids = _ids(16)
+        depths = [v.choose_depth(ids, 16, 16) for _ in range(400)]
+        explorations = sum(d == K for d in depths)
+        v._last_depth = 0  # as after a depth-0 step
+        v._explore_interval(16, 16)
+        version = v.cost.version
+        v.cost.set_draft_scale(K, 50.0)  # full depth now far dearer: explore less often
+        if keep_version:
+            v.cost.version = version
+        asked = v._explore_interval(16, 16)
+        fresh = compute(v, 16, 16, v._last_depth)
+        return depths, explorations, asked, fresh
+
+    computed.clear()
+    depths, explorations, asked, fresh = run(keep_version=False)
+    steps_past_floor = sum(1 for _ in depths) - EXPLORE_MIN_INTERVAL
+    print(f"{len(computed)} computations over {len(depths)} steps, {explorations} explorations")
+    assert explorations >= 1 and depths.count(0) > len(depths) / 2
+    # The last depth alternates 0 / K around each exploration step.
+    assert len(computed) <= 2 * explorations + 3 < steps_past_floor / 4
+    assert asked == fresh
+    _, _, stale, fresh = run(keep_version=True)
+    assert stale != fresh

@@ -283,6 +283,7 @@ class AdaptiveVerifier:
         self._draft_ms: dict[int, deque] = {}
         # The last depth-0-regime choice and what it was computed from.
         self._zero_depth_memo = None
+        self._explore_memo = None
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -353,9 +354,20 @@ class AdaptiveVerifier:
     def _explore_interval(self, R: int, num_other_tokens: int) -> int:
         """Steps between two full-depth steps: see EXPLORE_MIN_INTERVAL and
         EXPLORE_MAX_TIME_SHARE (costs at the last chosen depth, verifying
-        nothing but the batch's own tokens)."""
-        interval = max(EXPLORE_MIN_INTERVAL, R // 2)
+        nothing but the batch's own tokens). Asked every step once the
+        step-count floor is passed, so the answer is kept while what it
+        reads is unchanged."""
         d = self._last_depth if self._last_depth is not None else self.K
+        key = (R, num_other_tokens, d, self.cost, self.cost.version, self.cost.free_zero_depth)
+        memo = self._explore_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        interval = self._compute_explore_interval(R, num_other_tokens, d)
+        self._explore_memo = (key, interval)
+        return interval
+
+    def _compute_explore_interval(self, R: int, num_other_tokens: int, d: int) -> int:
+        interval = max(EXPLORE_MIN_INTERVAL, R // 2)
         if d < self.K:
             K = self.K
             draft_d = float(self.cost.draft_cost_at_depth(R, d, K))
