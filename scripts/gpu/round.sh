@@ -182,20 +182,22 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # speculation (V1, V2), vLLM's AV and the ngram arms; then ours against
   # fixed K=1 (the best fixed K of the seventh round at every concurrency)
   # in their own folder (h200_sweep_b). GPU 1: per-phase breakdowns with
-  # torch profiles and host-blocking call sites of plain V1 and ours,
-  # async first (the eighth round left the async gap unexplained), our
-  # AV on Model Runner V2 (smoke), the distribution test, then the greedy
-  # tests of ours under graphs (V1 served and async, and on MRV2). Ours
-  # async is benched with and without option async_plain_steps.
+  # torch profiles, host-blocking call sites and timelines, profiled at
+  # C=1 (the widest gap to plain V1 async in the ninth round), of plain V1
+  # async, ours async and ours async without the draft layers' attention
+  # metadata; our AV on Model Runner V2 (smoke), the distribution test,
+  # then the greedy tests of ours under graphs (served, async, async
+  # copying counts, always drafting without the draft layers' metadata).
+  # Ours async is benched with and without skip_draft_layer_metadata.
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-1,16,64} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
-      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async} breakdown 1
+      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async ours_skipmeta_async} breakdown 1
     mrv2_smoke 1
     lossless_test
-    AV_TESTS=${AV_TESTS:-served or async or model_runner_v2} av_tests ) &
+    AV_TESTS=${AV_TESTS:-served or async or skipmeta} av_tests ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async_plain,ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
-  RUN=h200_sweep_b sweep "${ARMS2:-ours_async_plain,k1}" --quiet-start none
+  ARMS=${ARMS:-ours_async,ours_async_skipmeta,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  RUN=h200_sweep_b sweep "${ARMS2:-ours_async,k1}" --quiet-start none
   wait $LANE1
   log "done"
   touch "$RES/DONE"

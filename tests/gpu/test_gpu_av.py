@@ -119,11 +119,12 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
         run_engine(spec, eager=True, env_extra={"VLLM_AV_IMPL": "vllm"})
 
 
-@pytest.mark.parametrize("adaptive_depth,async_scheduling,plain_async", [
-    ("1", False, "0"), ("0", False, "0"), ("1", True, "0"), ("1", True, "1")],
-    ids=["served", "always_drafts", "async", "async_plain"])
+@pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
+    ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
+    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1")],
+    ids=["served", "always_drafts", "async", "async_copying", "always_drafts_skipmeta"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
-                                                     async_scheduling, plain_async):
+                                                     async_scheduling, option):
     """The served configuration: default compilation and CUDA graphs, so the
     varlen steps our admission produces run through vLLM's graphs (and ours:
     FULL graphs for any draft length, vllm_av/vllm/mrv1/graphs.py). With
@@ -132,18 +133,23 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     there (an engine that never verified a draft would pass the output check
     trivially). With async scheduling the depth is chosen when each step is
     scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
-    the drafter through vLLM's own not-drafting path; `async_plain` hands
-    steps that verify and draft nothing to vLLM as plain async steps
-    (option async_plain_steps)."""
+    the drafter; `async_copying` has those steps copy their sampled-token
+    counts for vLLM's correction (async_plain_steps off).
+    `always_drafts_skipmeta`: the target's attention metadata built without
+    the draft's layers (skip_draft_layer_metadata; the real pair's head sizes
+    differ), with the drafter running every step."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}
-    ours = run_engine(spec, eager=False, counts=counts, env_extra={
-        "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth,
-        "VLLM_AV_ASYNC_PLAIN_STEPS": plain_async},
-        llm_args={"async_scheduling": async_scheduling})
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_AV_ADAPTIVE_DEPTH": adaptive_depth}
+    if option:
+        name, value = option.split("=")
+        env[f"VLLM_AV_{name}"] = value
+    ours = run_engine(spec, eager=False, counts=counts, env_extra=env,
+                      llm_args={"async_scheduling": async_scheduling})
     assert_agrees(ours, plain_outputs,
-                  f"graphs (adaptive depth {adaptive_depth}, async {async_scheduling})", counts)
+                  f"graphs (adaptive depth {adaptive_depth}, async {async_scheduling}, "
+                  f"{option or 'defaults'})", counts)
     if adaptive_depth == "0":
         assert counts.get("num_draft_tokens", 0) > 0
         assert counts.get("num_accepted_tokens", 0) > 0
