@@ -467,6 +467,19 @@ def test_skipping_depths_that_cannot_pay_keeps_every_decision(monkeypatch):
     assert caught > 0  # the check can fail
 
 
+def _count_calls(monkeypatch, method: str) -> list:
+    """Calls of AdaptiveVerifier.<method> from now on, one entry each."""
+    calls = []
+    original = getattr(AdaptiveVerifier, method)
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(AdaptiveVerifier, method, counted)
+    return calls
+
+
 def test_a_depth_zero_choice_is_reused_only_while_nothing_it_reads_changes(monkeypatch):
     """After a depth-0 step every row is the estimator's prior, so the
     choice is remembered while the batch's counts, the prior and the costs
@@ -474,14 +487,8 @@ def test_a_depth_zero_choice_is_reused_only_while_nothing_it_reads_changes(monke
     cost correction that makes drafting pay shows at the next step, as a
     fresh search gives it. Negative control: a remembered choice keyed
     without the costs' version keeps depth 0 after the correction."""
-    searches = []
     search = AdaptiveVerifier._search_depth
-
-    def counted(self, *args):
-        searches.append(1)
-        return search(self, *args)
-
-    monkeypatch.setattr(AdaptiveVerifier, "_search_depth", counted)
+    searches = _count_calls(monkeypatch, "_search_depth")
     # No exploration step (depth K whatever the search says) in the way.
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MIN_INTERVAL", 10**9)
 
@@ -518,14 +525,8 @@ def test_the_exploration_interval_is_recomputed_only_when_what_it_reads_changes(
     or the costs change, and a cost correction shows at the next ask as a
     fresh computation gives it. Negative control: an interval keyed without
     the costs' version stays as it was after the correction."""
-    computed = []
     compute = AdaptiveVerifier._compute_explore_interval
-
-    def counted(self, *args):
-        computed.append(1)
-        return compute(self, *args)
-
-    monkeypatch.setattr(AdaptiveVerifier, "_compute_explore_interval", counted)
+    computed = _count_calls(monkeypatch, "_compute_explore_interval")
 
     def run(keep_version: bool):
         v = _costly_drafter(draft_ms=5.0)  # dear enough for depth 0, explored now and then
