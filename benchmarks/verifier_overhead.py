@@ -133,6 +133,29 @@ def run_depth_zero(R: int, steps: int, remember: bool, seed: int = 0) -> dict:
             "zero_depth_share": float(np.mean(np.array(depths) == 0))}
 
 
+def tensor_ops_per_step(R: int, steps: int = 100) -> dict:
+    """Tensor operations the verifier issues per drafting step (top-level
+    aten ops under torch.profiler, CPU): on CUDA each one that computes is
+    a kernel launch or a copy, host time on every step that drafts."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    run(R, 30)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(R, steps, seed=2)
+    ops = Counter(e.name for e in prof.events() if e.name.startswith("aten::")
+                  and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    # Views (no kernel on any device).
+    views = {"aten::select", "aten::slice", "aten::unsqueeze", "aten::reshape", "aten::view",
+             "aten::t", "aten::detach", "aten::expand", "aten::squeeze", "aten::lift_fresh",
+             "aten::as_strided", "aten::alias", "aten::transpose", "aten::permute"}
+    total = sum(ops.values()) / steps
+    computing = sum(n for op, n in ops.items() if op not in views) / steps
+    return {"ops_per_step": round(total, 1), "non_view_ops_per_step": round(computing, 1),
+            "top": {op: round(n / steps, 1) for op, n in ops.most_common(12)}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="after", help="key of this run in the JSON (before/after)")
@@ -163,6 +186,12 @@ def main(argv=None) -> None:
               f"{on['choose_depth_us']:7.1f} us remembered, {off['choose_depth_us']:7.1f} us "
               f"searched every step")
 
+    ops = {}
+    for R in SHAPES:
+        ops[str(R)] = tensor_ops_per_step(R)
+        print(f"R={R:4d}: {ops[str(R)]['ops_per_step']:.0f} tensor ops per drafting step, "
+              f"{ops[str(R)]['non_view_ops_per_step']:.0f} of them not views")
+
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data["what"] = ("median host microseconds per engine step of AdaptiveVerifier "
                     "(forget+begin_step+observe, choose_depth, admit), CPU, K=7, "
@@ -176,6 +205,8 @@ def main(argv=None) -> None:
         # choose_depth where drafting does not pay, depth-0 choice remembered
         # or searched every step (run_depth_zero).
         "depth_zero": depth_zero,
+        # Tensor ops per drafting step (tensor_ops_per_step).
+        "tensor_ops": ops,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
