@@ -326,3 +326,37 @@ def test_slope_and_intercepts_read_the_device_once_per_refit(monkeypatch):
     # follows (the 12th observation refits last, and nothing reads after it).
     assert len(reads) == est.num_refits
     assert drive(OnlineAcceptanceEstimator(4, refit_interval=3), keep_stale=True) > 0
+
+
+def test_window_statistics_equal_the_log_likelihood_derivatives():
+    """Gradient and negative Hessian of the window's censored Bernoulli
+    log-likelihood in theta = [w, b_0..b_{K-1}], computed slot by slot from
+    `predict` in the test, against what `observe` accumulated (per position,
+    in one tensor). Negative control: the same sums over every verified
+    slot instead of the labelled ones (no censoring after the first
+    rejection) differ."""
+    g = torch.Generator().manual_seed(5)
+    est = OnlineAcceptanceEstimator(K, refit_interval=10**6)
+    grad = torch.zeros(K + 1, dtype=torch.float64)
+    hess = torch.zeros(K + 1, K + 1, dtype=torch.float64)
+    unmasked = torch.zeros(K + 1, dtype=torch.float64)
+    for _ in range(3):
+        R = 9
+        f = torch.randn(R, K, generator=g) * 2
+        adm = torch.randint(0, K + 1, (R,), generator=g)
+        acc = torch.minimum(torch.randint(0, K + 1, (R,), generator=g), adm)
+        p = est.predict(f).double()
+        for r in range(R):
+            for j in range(int(adm[r])):
+                x = torch.zeros(K + 1, dtype=torch.float64)
+                x[0], x[1 + j] = float(f[r, j]), 1.0
+                y = 1.0 if j < acc[r] else 0.0
+                unmasked += (y - p[r, j]) * x
+                if j <= acc[r]:  # accepted, or the first rejection
+                    grad += (y - p[r, j]) * x
+                    hess += p[r, j] * (1 - p[r, j]) * torch.outer(x, x)
+        est.observe(f, adm, acc)
+    st = est.statistics()
+    torch.testing.assert_close(st["gradient"], grad)
+    torch.testing.assert_close(st["hessian"], hess)
+    assert not torch.allclose(st["gradient"], unmasked)

@@ -191,14 +191,12 @@ class OnlineAcceptanceEstimator:
         # metrics snapshot reads them every few steps, and on a GPU each read
         # would wait for the device (a stall of the async pipeline).
         self._theta_host: list[float] | None = None
-        # Window statistics, cleared at every refit. float64: a window sums
-        # thousands of p(1-p) f^2 terms.
-        self._hess = torch.zeros(P, P, dtype=torch.float64, device=device)  # [P, P]
-        self._grad = torch.zeros(P, dtype=torch.float64, device=device)  # [P]
-        self._count = torch.zeros(P, dtype=torch.float64, device=device)  # [P] labels
-        self._accepted = torch.zeros(K, dtype=torch.float64, device=device)  # [K]
-        self._feat_sum = torch.zeros(K, dtype=torch.float64, device=device)
-        self._feat_n = torch.zeros(K, dtype=torch.float64, device=device)
+        # Window statistics per position, cleared at every refit: the sums
+        # the gradient, Hessian, label counts and feature means are made of
+        # (_WINDOW_COLUMNS), one tensor so that a step adds them in one
+        # operation. float64: a window sums thousands of p(1-p) f^2 terms.
+        self._window = torch.zeros(K, len(_WINDOW_COLUMNS), dtype=torch.float64, device=device)
+        self._positions = torch.arange(K, device=device)  # [K]
         # Running (forgotten) state, folded in at every refit.
         self._precision = torch.zeros(P, P, dtype=torch.float64, device=device)  # [P, P]
         self._label_n = torch.zeros(K, dtype=torch.float64, device=device)  # [K]
@@ -209,7 +207,7 @@ class OnlineAcceptanceEstimator:
         self._prior_memo: dict[int, torch.Tensor] = {}
         self._prior_host_memo: dict[int, np.ndarray] = {}
 
-    _STATE = ("_theta", "_hess", "_grad", "_count", "_accepted", "_feat_sum", "_feat_n",
+    _STATE = ("_theta", "_window", "_positions",
               "_precision", "_label_n", "_label_acc", "_mean_feature")
 
     # ------------------------------------------------------------------ state
@@ -254,7 +252,8 @@ class OnlineAcceptanceEstimator:
         return self._mean_feature.clone()
 
     # ------------------------------------------------------------- inference
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+    def _take(self, features: torch.Tensor) -> None:
+        """Check the features' width; follow their device (a one-time copy)."""
         k = features.shape[-1]
         if k > self.num_positions:
             raise ValueError(
@@ -263,8 +262,14 @@ class OnlineAcceptanceEstimator:
             )
         if features.device != self.device:
             self.to(features.device)
-        f = torch.nan_to_num(features.float(), nan=0.0).clamp(-FEATURE_CLIP, FEATURE_CLIP)
-        return self._theta[0] * f + self._theta[1 : k + 1]  # [R, k]
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        self._take(features)
+        return self._logits_of(_clean(features))
+
+    def _logits_of(self, f: torch.Tensor) -> torch.Tensor:
+        """Logits of clean features (`_clean`)."""
+        return self._theta[0] * f + self._theta[1 : f.shape[-1] + 1]  # [R, k]
 
     def predict(self, features: torch.Tensor) -> torch.Tensor:
         """Conditional acceptance probabilities: [R, k] features -> [R, k], k <= K."""
@@ -285,8 +290,8 @@ class OnlineAcceptanceEstimator:
         memo = self._prior_memo.get(k)
         if memo is None:
             model = self.predict(self._mean_feature[:k].unsqueeze(0))[0].double()  # [k]
-            n = self._label_n[:k] + self._count[1 : k + 1]
-            acc = self._label_acc[:k] + self._accepted[:k]
+            n = self._label_n[:k] + self._window[:k, _LABELLED]
+            acc = self._label_acc[:k] + self._window[:k, _ACCEPTED]
             rate = torch.where(n > 0, acc / n.clamp(min=1e-300), model).clamp(0.0, 1.0)
             memo = self._prior_memo[k] = torch.cumprod(rate, dim=-1).float()
         return memo.clone()
@@ -317,39 +322,25 @@ class OnlineAcceptanceEstimator:
         """
         self._prior_memo.clear()
         self._prior_host_memo.clear()
-        logits = self._logits(features)  # [R, k]; also moves state if needed
-        R, k = logits.shape
-        dev = logits.device
-        f = torch.nan_to_num(features.float(), nan=0.0).clamp(-FEATURE_CLIP, FEATURE_CLIP)
-        pos = torch.arange(k, device=dev).unsqueeze(0)  # [1, k]
-        n_adm = num_admitted.to(dev).long().clamp(0, k).unsqueeze(1)  # [R, 1]
-        n_acc = num_accepted.to(dev).long().clamp(min=0).unsqueeze(1)
-        n_acc = torch.minimum(n_acc, n_adm)
-        # Labelled: accepted slots, plus the first rejection if it was verified.
-        labelled = pos < torch.minimum(n_acc + 1, n_adm)  # [R, k]
-        y = (pos < n_acc).double()  # [R, k]
-        m = labelled.double()
-        p = torch.sigmoid(logits.double())
+        k = features.shape[-1]
+        self._take(features)
+        f = _clean(features)  # [R, k] float32
+        p = torch.sigmoid(self._logits_of(f).double())  # [R, k]
         f64 = f.double()
+        dev = f.device
+        n_adm = num_admitted.to(dev).long().clamp(0, k)  # [R]
+        n_acc = torch.minimum(num_accepted.to(dev).long().clamp(min=0), n_adm)
+        # Labelled: accepted slots, plus the first rejection if it was
+        # verified; accepted; verified (each a slot below its count).
+        bounds = torch.stack([torch.minimum(n_acc + 1, n_adm), n_acc, n_adm])  # [3, R]
+        m, y, verified = (self._positions[:k] < bounds.unsqueeze(-1)).double()  # [R, k] each
         resid = m * (y - p)  # [R, k]  d loglik / d logit
         wt = m * p * (1.0 - p)  # [R, k]  -d2 loglik / d logit2
-
-        self._grad[0] += (resid * f64).sum()
-        self._grad[1 : k + 1] += resid.sum(0)
-        cross = (wt * f64).sum(0)  # [k]
-        self._hess[0, 0] += (wt * f64 * f64).sum()
-        self._hess[0, 1 : k + 1] += cross
-        self._hess[1 : k + 1, 0] += cross
-        idx = torch.arange(1, k + 1, device=dev)
-        self._hess[idx, idx] += wt.sum(0)  # intercepts are one-hot: diagonal
-        labels = m.sum(0)  # [k]
-        self._count[1 : k + 1] += labels
-        self._count[0] += labels.sum()
-        self._accepted[:k] += y.sum(0)
-        # Mean feature over verified slots, for prior_survival's fallback.
-        verified = (pos < n_adm).double()
-        self._feat_sum[:k] += (verified * f64).sum(0)
-        self._feat_n[:k] += verified.sum(0)
+        wt_f = wt * f64
+        # Per position (_WINDOW_COLUMNS): summed over the requests at once.
+        self._window[:k] += torch.stack(
+            [resid, resid * f64, wt, wt_f, wt_f * f64, m, y, verified, verified * f64], -1
+        ).sum(0)
 
         self.num_steps += 1
         if self.num_steps % self.refit_interval == 0:
@@ -362,17 +353,19 @@ class OnlineAcceptanceEstimator:
         self._prior_host_memo.clear()
         P = self.num_positions + 1
         eye = torch.eye(P, dtype=torch.float64, device=self.device)
+        grad, hess, count = self._window_fit_terms()
+        w = self._window
         # count[0] = labelled drafts in this window (a tensor: no host sync).
-        forget = torch.exp(-self._count[0] / self._rate_memory)
-        self._label_n = forget * self._label_n + self._count[1:]
-        self._label_acc = forget * self._label_acc + self._accepted
+        forget = torch.exp(-count[0] / self._rate_memory)
+        self._label_n = forget * self._label_n + count[1:]
+        self._label_acc = forget * self._label_acc + w[:, _ACCEPTED]
         if self.memory > 0:
-            self._precision = forget * self._precision + self._hess
+            self._precision = forget * self._precision + hess
             curvature = self._precision
             behind = torch.cat([self._label_n.sum().reshape(1), self._label_n])  # [P]
         else:
-            curvature, behind = self._hess, self._count
-        delta, _info = torch.linalg.solve_ex(curvature + self.ridge * eye, self._grad)
+            curvature, behind = hess, count
+        delta, _info = torch.linalg.solve_ex(curvature + self.ridge * eye, grad)
         if self.damping > 0:
             delta = delta * (behind / (behind + self.damping))
         # Trust region: a small or separable window (every slot accepted) has a
@@ -389,24 +382,54 @@ class OnlineAcceptanceEstimator:
                 torch.isfinite(self._precision).all(), self._precision, torch.zeros_like(eye)
             )
 
-        seen = self._feat_n > 0
-        mean = self._feat_sum / self._feat_n.clamp(min=1.0)
-        self._mean_feature = torch.where(seen, mean.float(), self._mean_feature)
+        feat_n = w[:, _VERIFIED]
+        mean = w[:, _FEATURE_SUM] / feat_n.clamp(min=1.0)
+        self._mean_feature = torch.where(feat_n > 0, mean.float(), self._mean_feature)
 
-        for t in (self._hess, self._grad, self._count, self._accepted, self._feat_sum,
-                  self._feat_n):
-            t.zero_()
+        self._window.zero_()
         self.num_refits += 1
+
+    def _window_fit_terms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The window's log-likelihood gradient [P] and negative Hessian
+        [P, P] in theta = [w, b_0..b_{K-1}] (features f for w, one-hot
+        positions for the intercepts, so their block is diagonal), and its
+        label counts [P] (total, then per position)."""
+        w = self._window
+        P = self.num_positions + 1
+        grad = torch.cat([w[:, _RESID_F].sum().reshape(1), w[:, _RESID]])
+        hess = torch.zeros(P, P, dtype=torch.float64, device=w.device)
+        hess[0, 0] = w[:, _WT_FF].sum()
+        hess[0, 1:] = w[:, _WT_F]
+        hess[1:, 0] = w[:, _WT_F]
+        hess[1:, 1:] = torch.diag(w[:, _WT])
+        count = torch.cat([w[:, _LABELLED].sum().reshape(1), w[:, _LABELLED]])
+        return grad, hess, count
 
     def statistics(self) -> dict[str, torch.Tensor]:
         """Window statistics and running precision (copies), for tests and metrics."""
+        grad, hess, count = self._window_fit_terms()
         return {
-            "hessian": self._hess.clone(),
-            "gradient": self._grad.clone(),
-            "count": self._count.clone(),
-            "accepted": self._accepted.clone(),
+            "hessian": hess,
+            "gradient": grad,
+            "count": count,
+            "accepted": self._window[:, _ACCEPTED].clone(),
             "precision": self._precision.clone(),
         }
+
+
+def _clean(features: torch.Tensor) -> torch.Tensor:
+    """Features as the model reads them: float32, NaN as 0, clipped."""
+    return torch.nan_to_num(features.float(), nan=0.0).clamp(-FEATURE_CLIP, FEATURE_CLIP)
+
+
+# Columns of the window statistics, per position, summed over the window's
+# slots: the residual r = y - p and weight wt = p (1 - p) of labelled slots
+# (times their feature f, f^2), the labelled and accepted slots, the verified
+# slots and their features (for the mean feature).
+_WINDOW_COLUMNS = ("resid", "resid_f", "wt", "wt_f", "wt_ff", "labelled", "accepted",
+                   "verified", "feature_sum")
+(_RESID, _RESID_F, _WT, _WT_F, _WT_FF, _LABELLED, _ACCEPTED, _VERIFIED,
+ _FEATURE_SUM) = range(len(_WINDOW_COLUMNS))
 
 
 __all__ = [
