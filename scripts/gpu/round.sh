@@ -186,7 +186,8 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # C=1 (the widest gap to plain V1 async in the ninth round), of plain V1
   # async, ours async and ours async without the draft layers' attention
   # metadata; then the greedy tests of ours under graphs (async, async
-  # copying counts, always drafting without the draft layers' metadata).
+  # copying counts, always drafting without the draft layers' metadata;
+  # ours on MRV2 with ngram).
   # Ours async is benched with and without skip_draft_layer_metadata.
   # About 17 minutes after staging.
   # Device time is 30 minutes a session with staging: what ran clean in
@@ -197,7 +198,7 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
       BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async ours_skipmeta_async} breakdown 1
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
     [[ -n ${LOSSLESS:-} ]] && lossless_test
-    AV_TESTS=${AV_TESTS:-async or skipmeta} av_tests ) &
+    AV_TESTS=${AV_TESTS:-async or skipmeta or (model_runner_v2 and ngram)} av_tests ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours_async_skipmeta,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
   [[ -n ${ARMS2:-} ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none

@@ -173,15 +173,20 @@ def test_other_speculative_arms_keep_greedy_outputs(plain_outputs, arm):
     assert counts.get("num_draft_tokens", 0) > 0
 
 
-def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs):
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, method):
     """Our estimator and manager inside Model Runner V2's AV (the opt-in
     `VLLM_AV_MRV2=1` path: vllm_av/vllm/mrv2/), CUDA graphs, against the
-    same no-speculation outputs and tolerance; drafts were verified (an
-    engine that never verified one would pass the output check trivially)."""
+    same no-speculation outputs and tolerance, with the draft model and with
+    ngram prompt lookup (no draft model); drafts were verified (an engine
+    that never verified one would pass the output check trivially)."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2, "enable_adaptive_verification": True}
     counts: dict = {}
     outs = run_engine(spec, eager=False, counts=counts, env_extra={
         "VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1"})
-    assert_agrees(outs, plain_outputs, "ours on MRV2", counts)
+    assert_agrees(outs, plain_outputs, f"ours on MRV2 ({method})", counts)
     assert counts.get("num_draft_tokens", 0) > 0
