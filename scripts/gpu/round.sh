@@ -125,15 +125,23 @@ engine_tests() {  # engine_tests <gpu>
 breakdown() {  # breakdown <gpu>
   export CUDA_VISIBLE_DEVICES=$1
   local arm name extra
+  mkdir -p /tmp/traces
   for name in ${BREAKDOWN_ARMS:-k3v1 ours}; do
     arm=$name; extra=()
     if [[ $arm == *_async ]]; then arm=${arm%_async}; extra=(--async-scheduling); fi
     log "step breakdown $name"
     timeout 400 python3 scripts/gpu/step_breakdown.py --arm "$arm" "${extra[@]}" \
       --concurrency "${BREAKDOWN_CONC:-16,1,64}" --torch-profile "$RES/profile_$name.txt" \
-      ${BREAKDOWN_TRACE:+--trace "$RES/trace_$name.json.gz"} \
+      ${BREAKDOWN_TRACE:+--trace "/tmp/traces/trace_$name.json.gz"} \
       --out "$RES/breakdown_$name.json" > "$RES/breakdown_$name.log" 2>&1
     log "breakdown $name exit $?"; grep -a "^\[$arm\]" "$RES/breakdown_$name.log" | tail -5
+    # The timeline itself stays on the machine (tens of MB); what the host
+    # did while the GPU waited comes back.
+    if [[ -f /tmp/traces/trace_$name.json.gz ]]; then
+      python3 scripts/gpu/trace_gaps.py "/tmp/traces/trace_$name.json.gz" \
+        --out "$RES/gaps_$name.json" > "$RES/gaps_$name.txt" 2>&1
+      head -12 "$RES/gaps_$name.txt"
+    fi
   done
 }
 

@@ -31,3 +31,38 @@ def test_gpu_busy_time_counts_overlapping_device_work_once_and_ignores_the_host(
 
 def test_gpu_busy_time_of_no_device_events_is_zero():
     assert step_breakdown.gpu_busy_ms([_event("CPU", 0, 5)]) == 0.0
+
+
+def test_trace_gaps_attribute_the_gpu_idle_time_to_the_host_functions_running_then(tmp_path):
+    """A synthetic timeline: device work at 0-100, 150-250 (two kernels
+    overlapping) and 400-500 us, so the GPU waits 50 + 150 us; host
+    functions overlapping those waits get exactly the overlap, not their
+    whole duration (the negative control's figure)."""
+    import gzip
+    import json
+
+    import trace_gaps
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    events = [
+        x("kernel", "gemm", 0, 100), x("kernel", "attn", 150, 60), x("gpu_memcpy", "copy", 180, 70),
+        x("kernel", "gemm", 400, 100),
+        x("python_function", "outer", 0, 500),
+        x("python_function", "schedule", 90, 70),  # 50 us of it in the first wait
+        x("python_function", "build_metadata", 260, 130),  # inside the second wait
+        x("python_function", "forward", 0, 90),  # while the GPU works: never listed
+        x("cpu_op", "aten::item", 300, 10),  # an op: counted through its caller
+        x("cuda_runtime", "cudaStreamSynchronize", 100, 20),  # a wait, listed
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    report = trace_gaps.analyse(trace_gaps.load_events(path), min_gap_us=100)
+    assert report["gpu_busy_ms"] == 0.3 and report["gpu_idle_ms"] == 0.2
+    assert (report["gaps"], report["long_gaps"], report["long_gap_ms"]) == (2, 1, 0.15)
+    inside = {r["function"]: r["idle_ms_inside"] for r in report["host_functions_during_idle"]}
+    assert inside == {"outer": 0.2, "build_metadata": 0.13, "schedule": 0.05,
+                      "cudaStreamSynchronize": 0.02}
+    assert inside["schedule"] != 70 / 1e3  # control: its whole duration
