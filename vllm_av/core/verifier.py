@@ -351,6 +351,12 @@ class AdaptiveVerifier:
         self._plain_probes += 1
         return True
 
+    def _costs_stamp(self) -> tuple:
+        """What a choice remembered from the costs must match to stay valid:
+        the cost model itself, its corrections' version and whether depth 0
+        is priced free."""
+        return (self.cost, self.cost.version, self.cost.free_zero_depth)
+
     def _explore_interval(self, R: int, num_other_tokens: int) -> int:
         """Steps between two full-depth steps: see EXPLORE_MIN_INTERVAL and
         EXPLORE_MAX_TIME_SHARE (costs at the last chosen depth, verifying
@@ -358,7 +364,7 @@ class AdaptiveVerifier:
         step-count floor is passed, so the answer is kept while what it
         reads is unchanged."""
         d = self._last_depth if self._last_depth is not None else self.K
-        key = (R, num_other_tokens, d, self.cost, self.cost.version, self.cost.free_zero_depth)
+        key = (R, num_other_tokens, d, self._costs_stamp())
         memo = self._explore_memo
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -428,8 +434,7 @@ class AdaptiveVerifier:
             # depth-0 steps with none of them changed repeats it without the
             # search (host time on every step an engine drafts nothing).
             prior = self._prior_host()  # [K]
-            key = (R, num_sampling, num_other_tokens, self.cost, self.cost.version,
-                   self.cost.free_zero_depth)
+            key = (R, num_sampling, num_other_tokens, self._costs_stamp())
             memo = self._zero_depth_memo
             if memo is not None and memo[0] == key and memo[1] is prior:
                 return memo[2]

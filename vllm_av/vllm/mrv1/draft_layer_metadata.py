@@ -61,8 +61,8 @@ class DraftLayerMetadataPatch(VllmPatch):
     How: when our option `skip_draft_layer_metadata` is on and the call is
         not a CUDA graph capture, call the original with the runner's
         `attn_groups` cut to groups holding a target layer
-        (`target_attention_groups`; computed once per runner), restored
-        afterwards. The draft's layers then have no entry in the step's
+        (`target_attention_groups`, decided once per list of groups the
+        runner holds), restored afterwards. The draft's layers then have no entry in the step's
         per-layer metadata; the target forward does not run them.
     Upstream: skip drafter-only attention groups in the target's metadata
         build.
