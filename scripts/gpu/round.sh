@@ -187,28 +187,22 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs. GPU 0: ours (both schedulings) against no
-  # speculation (V1, V2), vLLM's AV and the ngram arms; then ours against
-  # fixed K=1 (the best fixed K of the seventh round at every concurrency)
-  # in their own folder (h200_sweep_b). GPU 1: per-phase breakdowns with
-  # torch profiles, host-blocking call sites and timelines, profiled at
-  # C=1 (the widest gap to plain V1 async in the ninth round), of plain V1
-  # async, ours async and ours async without the draft layers' attention
-  # metadata; then the greedy tests of ours under graphs (async, async
-  # copying counts, always drafting without the draft layers' metadata;
-  # ours on MRV2 with ngram).
-  # Ours async is benched with and without skip_draft_layer_metadata.
-  # About 17 minutes after staging.
+  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: per-phase
+  # breakdowns with torch profiles, host-blocking call sites and timelines
+  # (gaps reports), profiled at C=1 and 16, of plain V1 async and ours
+  # async; then the greedy tests of ours under graphs (async, async copying
+  # counts, always drafting). About 17 minutes after staging.
   # Device time is 30 minutes a session with staging: what ran clean in
-  # the ninth round (our AV on MRV2, the distribution test, fixed K=1)
-  # is left out unless asked for (MRV2=1, LOSSLESS=1, ARMS2=...).
+  # earlier rounds (our AV on MRV2, the distribution test, fixed K=1) is
+  # left out unless asked for (MRV2=1, LOSSLESS=1, ARMS2=...).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-1,16} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
-      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async ours_skipmeta_async} breakdown 1
+      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async} breakdown 1
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
     [[ -n ${LOSSLESS:-} ]] && lossless_test
-    AV_TESTS=${AV_TESTS:-async or skipmeta or (model_runner_v2 and ngram)} av_tests ) &
+    AV_TESTS=${AV_TESTS:-async or always_drafts} av_tests ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async,ours_async_skipmeta,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
   [[ -n ${ARMS2:-} ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
   wait $LANE1
   log "done"

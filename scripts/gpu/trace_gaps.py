@@ -10,7 +10,13 @@ Reads a Chrome trace written by `scripts/gpu/step_breakdown.py --trace`
   synchronize shows there), how much of the GPU's idle time passed inside
   it (nested functions each count their own overlap, so a caller's figure
   includes its callees'): the functions at the top of that list are where
-  an engine whose host sets the pace spends the time the GPU waits.
+  an engine whose host sets the pace spends the time the GPU waits;
+- the same by self time: the idle time inside a function but outside the
+  functions it called, which ranks the leaves where that time goes.
+
+Only threads that made a CUDA runtime call count: the profiler also
+records the other threads (a progress bar's monitor, the profiler's own
+exit), which sleep through the whole batch.
 
     python scripts/gpu/trace_gaps.py trace_ours_async.json.gz [--top 40] [--out gaps.json]
 
@@ -83,15 +89,26 @@ def analyse(events: list[dict], min_gap_us: float = 20.0, top: int = 40,
     busy_us = sum(b - a for a, b in busy)
     long_gaps = [g for g in gaps if g[1] - g[0] >= min_gap_us]
     starts = [g[0] for g in gaps]
+    launching = {(e.get("pid"), e.get("tid")) for e in events if e.get("cat") == "cuda_runtime"}
     inside: dict[tuple[str, str], float] = defaultdict(float)
+    self_inside: dict[tuple[str, str], float] = defaultdict(float)
     calls: dict[tuple[str, str], int] = defaultdict(int)
-    for e in events:
-        if e.get("cat") not in host_categories:
-            continue
-        a = float(e["ts"])
-        o = overlap_with(gaps, a, a + float(e["dur"]), starts)
+    host = sorted((e for e in events if e.get("cat") in host_categories
+                   and (e.get("pid"), e.get("tid")) in launching),
+                  key=lambda e: (e.get("pid"), e.get("tid"), float(e["ts"]), -float(e["dur"])))
+    stack: list[tuple[tuple, float, tuple[str, str]]] = []  # (thread, end, key) of open calls
+    for e in host:
+        a, thread = float(e["ts"]), (e.get("pid"), e.get("tid"))
+        b = a + float(e["dur"])
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= a):
+            stack.pop()
+        o = overlap_with(gaps, a, b, starts)
+        key = (e["cat"], e["name"])
+        if stack:  # the caller's self time excludes what passed in this call
+            self_inside[stack[-1][2]] -= o
+        self_inside[key] += o
+        stack.append((thread, b, key))
         if o > 0:
-            key = (e["cat"], e["name"])
             inside[key] += o
             calls[key] += 1
     ranked = sorted(inside.items(), key=lambda kv: -kv[1])[:top]
@@ -107,6 +124,12 @@ def analyse(events: list[dict], min_gap_us: float = 20.0, top: int = 40,
             {"function": name, "category": cat, "idle_ms_inside": us / 1e3,
              "calls": calls[(cat, name)]}
             for (cat, name), us in ranked
+        ],
+        "host_functions_by_self_idle": [
+            {"function": name, "category": cat, "self_idle_ms": us / 1e3,
+             "calls": calls[(cat, name)]}
+            for (cat, name), us in sorted(self_inside.items(), key=lambda kv: -kv[1])[:top]
+            if us > 0
         ],
     }
 
@@ -125,6 +148,10 @@ def main(argv=None) -> int:
     print("GPU idle time inside host functions (ms, calls):")
     for row in report["host_functions_during_idle"]:
         print(f"  {row['idle_ms_inside']:8.2f}  {row['calls']:6d}  {row['function']}"
+              + ("  (CUDA runtime)" if row["category"] == "cuda_runtime" else ""))
+    print("... by self time (inside the function, outside its callees):")
+    for row in report["host_functions_by_self_idle"]:
+        print(f"  {row['self_idle_ms']:8.2f}  {row['calls']:6d}  {row['function']}"
               + ("  (CUDA runtime)" if row["category"] == "cuda_runtime" else ""))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

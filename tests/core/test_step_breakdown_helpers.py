@@ -43,8 +43,8 @@ def test_trace_gaps_attribute_the_gpu_idle_time_to_the_host_functions_running_th
 
     import trace_gaps
 
-    def x(cat, name, ts, dur):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+    def x(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
 
     events = [
         x("kernel", "gemm", 0, 100), x("kernel", "attn", 150, 60), x("gpu_memcpy", "copy", 180, 70),
@@ -55,6 +55,7 @@ def test_trace_gaps_attribute_the_gpu_idle_time_to_the_host_functions_running_th
         x("python_function", "forward", 0, 90),  # while the GPU works: never listed
         x("cpu_op", "aten::item", 300, 10),  # an op: counted through its caller
         x("cuda_runtime", "cudaStreamSynchronize", 100, 20),  # a wait, listed
+        x("python_function", "monitor_wait", 0, 500, tid=2),  # another thread: never listed
     ]
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -66,3 +67,10 @@ def test_trace_gaps_attribute_the_gpu_idle_time_to_the_host_functions_running_th
     assert inside == {"outer": 0.2, "build_metadata": 0.13, "schedule": 0.05,
                       "cudaStreamSynchronize": 0.02}
     assert inside["schedule"] != 70 / 1e3  # control: its whole duration
+    # Self time: a caller keeps the idle time its callees did not take (the
+    # synchronize runs inside `schedule`; `outer` alone spans 250-260 and
+    # 390-400), so the shares add up to the idle time.
+    own = {r["function"]: round(r["self_idle_ms"], 9) for r in report["host_functions_by_self_idle"]}
+    assert own == {"build_metadata": 0.13, "schedule": 0.03, "cudaStreamSynchronize": 0.02,
+                   "outer": 0.02}
+    assert abs(sum(own.values()) - report["gpu_idle_ms"]) < 1e-9

@@ -120,9 +120,8 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
-    ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
-    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1")],
-    ids=["served", "always_drafts", "async", "async_copying", "always_drafts_skipmeta"])
+    ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0")],
+    ids=["served", "always_drafts", "async", "async_copying"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
                                                      async_scheduling, option):
     """The served configuration: default compilation and CUDA graphs, so the
@@ -134,10 +133,7 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     trivially). With async scheduling the depth is chosen when each step is
     scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
     the drafter; `async_copying` has those steps copy their sampled-token
-    counts for vLLM's correction (async_plain_steps off).
-    `always_drafts_skipmeta`: the target's attention metadata built without
-    the draft's layers (skip_draft_layer_metadata; the real pair's head sizes
-    differ), with the drafter running every step."""
+    counts for vLLM's correction (async_plain_steps off)."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}
