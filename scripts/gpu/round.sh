@@ -187,7 +187,9 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs. GPU 0: ours (both schedulings) against no
-  # speculation (V1, V2), vLLM's AV and the ngram arms. GPU 1: per-phase
+  # speculation (V1, V2), vLLM's AV and the ngram arms (ngram K=3 on the
+  # runner vLLM picks, Model Runner V2, and on V1, where ours runs; ours
+  # with ngram on V1 and inside V2's AV). GPU 1: per-phase
   # breakdowns with torch profiles, host-blocking call sites and timelines
   # (gaps reports), profiled at C=1 and 16, of plain V1 async and ours
   # async; then the greedy tests of ours under graphs (async, async copying
@@ -202,7 +204,7 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
     [[ -n ${LOSSLESS:-} ]] && lossless_test
     AV_TESTS=${AV_TESTS:-async or always_drafts} av_tests ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
+  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_ours_v2,ngram_k3,ngram_k3v1} QUIET= main_sweep
   [[ -n ${ARMS2:-} ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
   wait $LANE1
   log "done"
