@@ -22,12 +22,14 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_av.core import cost_model
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.verifier import AdaptiveVerifier
 
@@ -133,6 +135,29 @@ def run_depth_zero(R: int, steps: int, remember: bool, seed: int = 0) -> dict:
             "zero_depth_share": float(np.mean(np.array(depths) == 0))}
 
 
+def run_depth_zero_timed(R: int, steps: int, seed: int = 0, jitter: float = 0.05) -> dict:
+    """`run_depth_zero` as an async engine runs it: every 4th step is timed
+    (a plain step measured at 1.3x its profiled cost, lognormal jitter of
+    `jitter`) and corrects the cost table; mean us per step of choose_depth
+    plus that correction, and how often the cost version moved (each move
+    discards the remembered depth-0 choice)."""
+    rng = np.random.default_rng(seed)
+    v = AdaptiveVerifier(K, _dear_drafting_cost())
+    ids = [f"r{i}" for i in range(R)]
+    times, bumps, version, zero = [], 0, v.cost.version, 0
+    for s in range(steps):
+        t0 = time.perf_counter()
+        zero += v.choose_depth(ids, num_sampling=R, num_other_tokens=R) == 0
+        if s % 4 == 0:
+            profiled = float(v.cost.verify.table(R + 1)[R])
+            v.observe_verify_time(R, profiled * 1.3 * float(rng.lognormal(0.0, jitter)), plain=True)
+        times.append((time.perf_counter() - t0) * 1e6)
+        bumps += v.cost.version != version
+        version = v.cost.version
+    return {"mean_us": statistics.mean(times[WARMUP:]), "version_moves_per_step": bumps / steps,
+            "zero_depth_share": zero / steps}
+
+
 def tensor_ops_per_step(R: int, steps: int = 100) -> dict:
     """Tensor operations the verifier issues per drafting step (top-level
     aten ops under torch.profiler, CPU): on CUDA each one that computes is
@@ -162,7 +187,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--save-run", type=Path, help="npz of a seeded run's admitted + coefficients")
+    ap.add_argument("--rescale-tolerance", type=float, default=None,
+                    help="run with this cost_model.RESCALE_TOLERANCE (A/B; default: as shipped)")
     args = ap.parse_args(argv)
+    if args.rescale_tolerance is not None:
+        cost_model.RESCALE_TOLERANCE = args.rescale_tolerance
     torch.set_num_threads(1)  # an engine's host thread; also steadier timings
 
     if args.save_run:
@@ -186,6 +215,16 @@ def main(argv=None) -> None:
               f"{on['choose_depth_us']:7.1f} us remembered, {off['choose_depth_us']:7.1f} us "
               f"searched every step")
 
+    timed = {}
+    for R in SHAPES:
+        t = run_depth_zero_timed(R, 4 * args.steps)
+        timed[str(R)] = {"mean_us": round(t["mean_us"], 1),
+                         "version_moves_per_step": round(t["version_moves_per_step"], 3),
+                         "zero_depth_share": round(t["zero_depth_share"], 3)}
+        print(f"R={R:4d} depth 0 ({t['zero_depth_share']:.0%} of steps), every 4th step timed: "
+              f"{t['mean_us']:7.1f} us per step, cost version moved on "
+              f"{t['version_moves_per_step']:.1%} of steps")
+
     ops = {}
     for R in SHAPES:
         ops[str(R)] = tensor_ops_per_step(R)
@@ -196,8 +235,10 @@ def main(argv=None) -> None:
     data["what"] = ("median host microseconds per engine step of AdaptiveVerifier "
                     "(forget+begin_step+observe, choose_depth, admit), CPU, K=7, "
                     f"{args.steps} steps, churn {CHURN}/step, torch 1 thread")
-    data["command"] = "PYTHONPATH=. python benchmarks/verifier_overhead.py --label " + args.label
+    data["command"] = "PYTHONPATH=. python benchmarks/verifier_overhead.py --label <label>"
     data[args.label] = {
+        "command": " ".join(["PYTHONPATH=. python benchmarks/verifier_overhead.py",
+                             *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} (shared 2-core box)",
         "torch": torch.__version__,
@@ -205,6 +246,10 @@ def main(argv=None) -> None:
         # choose_depth where drafting does not pay, depth-0 choice remembered
         # or searched every step (run_depth_zero).
         "depth_zero": depth_zero,
+        # ... with every 4th step timed and correcting the costs
+        # (run_depth_zero_timed), under this RESCALE_TOLERANCE.
+        "depth_zero_timed": timed,
+        "rescale_tolerance": cost_model.RESCALE_TOLERANCE,
         # Tensor ops per drafting step (tensor_ops_per_step).
         "tensor_ops": ops,
     }

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_av.core.budget import size_budget
-from vllm_av.core.cost_model import CostModel
+from vllm_av.core.cost_model import RESCALE_TOLERANCE, CostModel
 from vllm_av.core.verifier import (
     EXPLORE_HOPELESS_TIME_SHARE,
     EXPLORE_MAX_TIME_SHARE,
@@ -327,6 +327,45 @@ def test_one_freak_step_time_does_not_reprice_every_size():
         v.observe_verify_time(300, 3.0 * float(v.cost.verify.table(301)[300]))
         assert (8 in v.cost.verify_scale) == (i + 1 >= CALIBRATION_MIN_SAMPLES)
     assert v.cost.verify_scale[8] == pytest.approx(3.0)
+
+
+def test_timing_jitter_keeps_the_remembered_depth_zero_choice():
+    """Plain steps timed with a few percent of jitter around one level (as
+    an async engine times every 4th step) leave the applied correction, and
+    with it the cost version that the remembered depth-0 choice is keyed
+    on, as it is: the choice is not searched again. A level that moves by
+    more than RESCALE_TOLERANCE is applied (the control), and drift adds up
+    until it is."""
+    v = _verifier(draft_ms=40.0, verify={1: [2.0], 4096: [2.2]})  # depth 0 wins
+    ids = _ids(1)
+    rng = np.random.default_rng(0)
+    jitter = rng.uniform(-0.03, 0.03, size=60)  # +-3%: within the 5% tolerance
+    for e in jitter[:CALIBRATION_MIN_SAMPLES]:
+        v.observe_verify_time(1, 2.6 * (1 + e), plain=True)
+    assert v.choose_depth(ids, 1, 1) == 0
+    assert v.choose_depth(ids, 1, 1) == 0  # after a depth-0 step: searched, remembered
+    version, applied = v.cost.version, v.cost.plain_verify_scale[0]
+    searches = []
+    search = v._search_depth
+    v._search_depth = lambda *a, **k: searches.append(1) or search(*a, **k)
+    for e in jitter[CALIBRATION_MIN_SAMPLES:]:
+        v.observe_verify_time(1, 2.6 * (1 + e), plain=True)
+        assert v.choose_depth(ids, 1, 1) == 0
+    assert v.cost.version == version and v.cost.plain_verify_scale[0] == applied
+    assert searches == []  # remembered on every step
+    # Control: a level 20% up is applied once its median moves.
+    for _ in range(CALIBRATION_WINDOW):
+        v.observe_verify_time(1, 2.6 * 1.2, plain=True)
+    assert v.cost.version > version
+    assert v.cost.plain_verify_scale[0] == pytest.approx(1.3 * 1.2)
+    # Drift in steps of 1%, each within the tolerance, is applied once it adds up.
+    level, version = 2.6 * 1.2, v.cost.version
+    for _ in range(10):
+        level *= 1.01
+        for _ in range(CALIBRATION_WINDOW):
+            v.observe_verify_time(1, level, plain=True)
+    assert v.cost.version > version
+    assert v.cost.plain_verify_scale[0] == pytest.approx(level / 2.0, rel=RESCALE_TOLERANCE)
 
 
 def _steps_timed(v: AdaptiveVerifier, spec_ms: float, plain_known: bool) -> None:

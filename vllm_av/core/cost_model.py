@@ -178,6 +178,23 @@ def _nearest(by_key: Mapping[int, float], keys: np.ndarray) -> np.ndarray:
     return vals[np.abs(np.asarray(keys)[..., None] - known).argmin(axis=-1)]
 
 
+# A correction that moves a cost by no more than this fraction of the one
+# applied is not applied. Timed steps vary by several percent from one to
+# the next, so the median of the recent ones shifts a little on most timed
+# steps; applying every shift bumps `version` that often and discards what
+# the verifier remembers from the costs (its depth-0 choice, its
+# exploration interval): a full depth search on the scheduler's path every
+# few steps. A change this small moves only decisions on a knife-edge,
+# where the two choices are worth nearly the same; a drift adds up until
+# it is applied.
+RESCALE_TOLERANCE = 0.05
+
+
+def _within_tolerance(current: float | None, new: float) -> bool:
+    """Whether `new` leaves `current` (None: nothing yet) as it is."""
+    return current is not None and abs(float(new) - current) <= RESCALE_TOLERANCE * abs(current)
+
+
 class CostModel:
     """Step cost = draft_cost(num_reqs) + verify_cost(num_tokens), in ms.
 
@@ -222,6 +239,8 @@ class CostModel:
 
     def set_measured_draft_cost(self, bucket: int, ms: float) -> None:
         """The measured drafting cost of request-count bucket floor(log2 r)."""
+        if _within_tolerance(self.draft_measured.get(int(bucket)), ms):
+            return
         self.draft_measured[int(bucket)] = float(ms)
         self.version += 1
 
@@ -239,14 +258,16 @@ class CostModel:
         """The measured correction of token-count bucket floor(log2 n), for
         steps that verify drafts (or, `plain`, for steps that verify none)."""
         scales = self.plain_verify_scale if plain else self.verify_scale
-        if scales.get(int(bucket)) == float(factor):
-            return  # a median often stays put: keep the scaled tables
+        if _within_tolerance(scales.get(int(bucket)), factor):
+            return  # keep the scaled tables and what callers derived from them
         scales[int(bucket)] = float(factor)
         self._scaled = {}
         self.version += 1
 
     def set_draft_scale(self, depth: int, factor: float) -> None:
         """The measured correction of drafting at `depth`."""
+        if _within_tolerance(self.draft_scale.get(int(depth)), factor):
+            return
         self.draft_scale[int(depth)] = float(factor)
         self.version += 1
 
