@@ -187,16 +187,18 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs. GPU 0: ours (both schedulings) against no
-  # speculation (V1, V2), vLLM's AV and the ngram arms (ngram K=3 on the
-  # runner vLLM picks, Model Runner V2, and on V1, where ours runs; ours
-  # with ngram on V1 and inside V2's AV). GPU 1: per-phase
+  # speculation (V1, V2) and vLLM's AV; then, in their own folder
+  # (h200_sweep_b; ARMS2= overrides, empty skips), the ngram arms: K=3 on
+  # the runner vLLM picks (Model Runner V2) and on V1, where ours runs, and
+  # ours with ngram on V1 and inside V2's AV (their comparisons in one
+  # folder; no more than five servers up at once). GPU 1: per-phase
   # breakdowns with torch profiles, host-blocking call sites and timelines
   # (gaps reports), profiled at C=1 and 16, of plain V1 async and ours
   # async; then the greedy tests of ours under graphs (async, async copying
   # counts, always drafting). About 17 minutes after staging.
   # Device time is 30 minutes a session with staging: what ran clean in
   # earlier rounds (our AV on MRV2, the distribution test, fixed K=1) is
-  # left out unless asked for (MRV2=1, LOSSLESS=1, ARMS2=...).
+  # left out unless asked for (MRV2=1, LOSSLESS=1).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-1,16} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
       BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async} breakdown 1
@@ -204,8 +206,9 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
     [[ -n ${LOSSLESS:-} ]] && lossless_test
     AV_TESTS=${AV_TESTS:-async or always_drafts} av_tests ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_ours_v2,ngram_k3,ngram_k3v1} QUIET= main_sweep
-  [[ -n ${ARMS2:-} ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
+  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av} QUIET= main_sweep
+  ARMS2=${ARMS2-ngram_ours,ngram_ours_v2,ngram_k3,ngram_k3v1}
+  [[ -n $ARMS2 ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
   wait $LANE1
   log "done"
   touch "$RES/DONE"
