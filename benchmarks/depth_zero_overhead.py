@@ -89,6 +89,12 @@ def time_by_area(stats: pstats.Stats, steps: int) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def print_areas(run: dict) -> None:
+    """A run's profiled ms per step by area of code, one line each."""
+    for area, ms in run.get("profiled_ms_per_step_by_area", {}).items():
+        print(f"    {area}: {ms:.3f} ms per step (profiled)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,16")
@@ -129,8 +135,7 @@ def main() -> int:
             print(f"[{arm}] C={c}: {r['ms_per_step']:.2f} ms per step")
             if "profile_top" in r and arm != "plain":
                 print(r["profile_top"])
-            for area, ms in r.get("profiled_ms_per_step_by_area", {}).items():
-                print(f"    {area}: {ms:.3f} ms per step (profiled)")
+            print_areas(r)
     if opts.out:
         opts.out.write_text(json.dumps(result, indent=1))
     return 0

@@ -85,6 +85,7 @@ def main() -> int:
     if opts.arm:
         print(json.dumps(run_arm(opts.arm, opts.models, opts.concurrency, opts.max_tokens)))
         return 0
+    from depth_zero_overhead import print_areas
     from tiny_models import build_tiny_models
 
     tmp = Path(tempfile.mkdtemp(prefix="ngram_host_"))
@@ -100,8 +101,7 @@ def main() -> int:
         result["runs"].append(r)
         print(f"[{arm}] C={opts.concurrency}: {r['ms_per_step']:.2f} ms per step, "
               f"{r['steps']} steps, {r['tokens']} tokens", flush=True)
-        for area, ms in r["profiled_ms_per_step_by_area"].items():
-            print(f"    {area}: {ms:.3f} ms per step (profiled)")
+        print_areas(r)
     if opts.out:
         opts.out.write_text(json.dumps(result, indent=1))
     return 0
