@@ -13,7 +13,9 @@ output length:
 Phases: the target step (`execute_model`: input preparation + target
 forward), sampling/verification (rejection sampler), drafting (the
 drafter's propose) and the rest of `sample_tokens` (bookkeeping, our
-admission feedback). The JSON holds per-phase mean ms per call and calls.
+admission feedback); the scheduler's `schedule` and `update_from_output`;
+and, inside the target step on V1, the attention metadata build. The JSON
+holds per-phase mean ms per call and calls.
 
 Arms: nospec, nospecv1 (no speculation on Model Runner V1), kN (fixed K on
 vLLM's default runner, V2 on GPU), kNv1 (fixed K on Model Runner V1), ours
@@ -46,6 +48,10 @@ PHASES = {
                  "StandaloneARSpeculator.propose",
                  "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"],
     "schedule": ["vllm.v1.core.sched.scheduler:Scheduler.schedule"],
+    "update_from_output": ["vllm.v1.core.sched.scheduler:Scheduler.update_from_output"],
+    # Inside target_step on V1: every attention group's metadata (with a
+    # draft model of another head size, the draft's groups too).
+    "attention_metadata": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"],
 }
 
 TIMES: dict[str, list[float]] = defaultdict(list)
