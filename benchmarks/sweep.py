@@ -139,12 +139,16 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
     if base == "ours":
-        # Our AV runs on Model Runner V1 (the only runner on CPU).
-        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1))
+        # Our AV on Model Runner V1 (the only runner on CPU) with synchronous
+        # scheduling and per-slot trimming (the default before the tenth
+        # round; on a GPU with one worker process the default is now
+        # `ours_async`'s).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1),
+                   ("--no-async-scheduling",))
     if base == "ours_async":
         # ... with async scheduling: depth chosen when scheduled, no trimming
-        # (on the CPU the platform schedules synchronously unless
-        # VLLM_AV_TEST_CPU_ASYNC=1).
+        # (the default on a GPU with one worker process; on the CPU the
+        # platform schedules synchronously unless VLLM_AV_TEST_CPU_ASYNC=1).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1),
                    ("--async-scheduling",))
     if base == "ours_async_plain":

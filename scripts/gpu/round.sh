@@ -108,8 +108,8 @@ av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
 }
 
 lossless_test() {  # on $CUDA_VISIBLE_DEVICES
-  log "tests/gpu/test_gpu_lossless.py (T=1 distribution through trimmed steps under CUDA graphs)"
-  timeout 600 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
+  log "tests/gpu/test_gpu_lossless.py (T=1 distribution under CUDA graphs: trimmed steps, async scheduling)"
+  timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
   log "tests/gpu lossless exit $?"; grep -a "p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -6
 }
 
@@ -158,7 +158,8 @@ mrv2_smoke() {  # mrv2_smoke <gpu>
 main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
-    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py"
+    --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
+    --after-arm-arms ours,ours_async
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
@@ -193,18 +194,19 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # ours with ngram on V1 and inside V2's AV (their comparisons in one
   # folder; no more than five servers up at once). GPU 1: per-phase
   # breakdowns with torch profiles, host-blocking call sites and timelines
-  # (gaps reports), profiled at C=1 and 16, of plain V1 async and ours
-  # async; then the greedy tests of ours under graphs (async, async copying
-  # counts, always drafting). About 17 minutes after staging.
-  # Device time is 30 minutes a session with staging: what ran clean in
-  # earlier rounds (our AV on MRV2, the distribution test, fixed K=1) is
-  # left out unless asked for (MRV2=1, LOSSLESS=1).
+  # (gaps reports), at C=1, of plain V1 async and ours async; the
+  # distribution test (synchronous, and async: the default on one GPU since
+  # the tenth round; LOSSLESS= empty skips it); then the greedy tests of
+  # ours under graphs (async, always drafting). About 21 minutes after
+  # staging. Device time is 30 minutes a session with staging: what ran
+  # clean in earlier rounds (our AV on MRV2, fixed K=1) is left out unless
+  # asked for (MRV2=1).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    BREAKDOWN_CONC=${BREAKDOWN_CONC:-1,16} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
+    BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
       BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-nospecv1_async ours_async} breakdown 1
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
-    [[ -n ${LOSSLESS:-} ]] && lossless_test
-    AV_TESTS=${AV_TESTS:-async or always_drafts} av_tests ) &
+    [[ -n ${LOSSLESS-1} ]] && lossless_test
+    AV_TESTS=${AV_TESTS:-(async and not copying) or always_drafts} av_tests ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av} QUIET= main_sweep
   ARMS2=${ARMS2-ngram_ours,ngram_ours_v2,ngram_k3,ngram_k3v1}

@@ -121,17 +121,17 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
     ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0")],
-    ids=["served", "always_drafts", "async", "async_copying"])
+    ids=["synchronous", "always_drafts", "async", "async_copying"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
                                                      async_scheduling, option):
-    """The served configuration: default compilation and CUDA graphs, so the
-    varlen steps our admission produces run through vLLM's graphs (and ours:
+    """Default compilation and CUDA graphs, so the varlen steps our
+    admission produces run through vLLM's graphs (and ours:
     FULL graphs for any draft length, vllm_av/vllm/mrv1/graphs.py). With
     adaptive depth off every step drafts K and the budget trims, so trimmed
     steps are verified for certain; drafted and accepted counts must be > 0
     there (an engine that never verified a draft would pass the output check
-    trivially). With async scheduling the depth is chosen when each step is
-    scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
+    trivially). With async scheduling (the default on one GPU; `async`) the
+    depth is chosen when each step is scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
     the drafter; `async_copying` has those steps copy their sampled-token
     counts for vLLM's correction (async_plain_steps off)."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,

@@ -89,6 +89,59 @@ def test_async_scheduling_is_turned_off_on_cpu(tiny_models):
     assert config.scheduler_config.async_scheduling is False
 
 
+def _scheduling_config(asked, method="draft_model", world_size=1, padded=True):
+    """The parts of a VllmConfig that choose_scheduling reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=asked),
+        speculative_config=SimpleNamespace(method=method,
+                                           disable_padded_drafter_batch=not padded),
+        parallel_config=SimpleNamespace(world_size=world_size),
+    )
+
+
+@pytest.mark.parametrize("case,asked,kwargs,adaptive,on_cpu,expected", [
+    ("unset, one GPU, draft model", None, {}, True, False, True),
+    ("unset, ngram", None, {"method": "ngram"}, True, False, False),
+    ("unset, EAGLE (not measured: on request)", None, {"method": "eagle"}, True, False, False),
+    ("asked, EAGLE", True, {"method": "eagle"}, True, False, True),
+    ("unset, two workers", None, {"world_size": 2}, True, False, False),
+    ("unset, adaptive depth off", None, {}, False, False, False),
+    ("unset, unpadded drafter batch", None, {"padded": False}, True, False, False),
+    ("unset, CPU", None, {}, True, True, False),
+    ("refused", False, {}, True, False, False),
+    ("asked", True, {}, True, False, True),
+])
+def test_scheduling_left_unset_is_async_where_scheduled_depth_serves(
+        monkeypatch, case, asked, kwargs, adaptive, on_cpu, expected):
+    """Left unset, the scheduling is async (scheduled depth) on a GPU with
+    one worker process, a draft model and adaptive depth, as vLLM's own
+    default for draft models; synchronous wherever scheduled depth would not
+    serve in full or was not measured (EAGLE/MTP: on request). Asked for or
+    refused, the user's choice holds, and the config carries the outcome."""
+    from vllm.platforms import current_platform
+
+    from vllm_av.vllm.config import AVOptions
+    from vllm_av.vllm.config_patch import choose_scheduling
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: on_cpu)
+    config = _scheduling_config(asked, **kwargs)
+    assert choose_scheduling(config, AVOptions(adaptive_depth=adaptive)) is expected, case
+    assert config.scheduler_config.async_scheduling is expected, case
+
+
+def test_async_scheduling_asked_with_ngram_on_gpu_is_refused(monkeypatch):
+    from vllm.platforms import current_platform
+
+    from vllm_av.vllm.config import AVOptions
+    from vllm_av.vllm.config_patch import choose_scheduling
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(ValueError, match="--no-async-scheduling"):
+        choose_scheduling(_scheduling_config(True, method="ngram"), AVOptions())
+
+
 @pytest.mark.parametrize("method", ["medusa", "ngram_gpu"])
 def test_unsupported_method_is_refused(tiny_models, method):
     spec = {"method": method}

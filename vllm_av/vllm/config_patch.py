@@ -59,24 +59,35 @@ def check_supported(vllm_config) -> None:
 # Drafters whose drafts stay on the device under async scheduling (vLLM's
 # tensor path), the ones our scheduled-depth mode serves.
 ASYNC_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# ... and those it serves by default, where it was measured against the
+# synchronous path (a draft model on the H200); the others on request.
+DEFAULT_ASYNC_METHODS = ("draft_model",)
 
 
 def choose_scheduling(vllm_config, options: AVOptions) -> bool:
-    """Synchronous (False: depth and per-slot trimming after drafting, the
-    default) or scheduled depth (True: the user asked for async
-    scheduling; depth chosen when each step is scheduled, no trimming)."""
+    """Scheduled depth (True: async scheduling; the depth is chosen when
+    each step is scheduled and every draft is verified) or synchronous
+    (False: depth and per-slot trimming after drafting).
+
+    Asked for (--async-scheduling): scheduled depth, or a clear error where
+    it cannot serve. Refused (--no-async-scheduling): synchronous. Left
+    unset: scheduled depth where it serves in full and was measured (a
+    GPU, one worker process so that the scheduler finds the verifier, a
+    draft model, adaptive depth on), as vLLM itself turns async scheduling
+    on for draft models; synchronous elsewhere. On the H200, ours with
+    async scheduling led ours synchronous at 5 of 6 concurrencies in each
+    of the ninth and tenth rounds (docs/RESULTS.md)."""
     sched = vllm_config.scheduler_config
     from vllm.platforms import current_platform
 
+    method = vllm_config.speculative_config.method
+    serves = method in ASYNC_METHODS and options.adaptive_depth
     # The CPU platform turns async scheduling off whatever the user asked
     # (vllm/platforms/cpu.py, 0.32.0), so there a request for it changes
     # nothing, unless the test switch lifts that override.
-    asked = bool(sched.async_scheduling) and (
-        not current_platform.is_cpu() or cpu_async_for_tests()
-    )
-    if asked:
-        method = vllm_config.speculative_config.method
-        if method not in ASYNC_METHODS or not options.adaptive_depth:
+    on_cpu = current_platform.is_cpu()
+    if sched.async_scheduling and (not on_cpu or cpu_async_for_tests()):
+        if not serves:
             raise ValueError(
                 "vllm-av: with async scheduling our AV chooses the drafting depth "
                 f"when each step is scheduled, which needs adaptive depth and one of "
@@ -85,9 +96,14 @@ def choose_scheduling(vllm_config, options: AVOptions) -> bool:
                 "--no-async-scheduling for per-slot trimming instead"
             )
         return True
-    # Left unset, vLLM would turn async scheduling on for GPU draft models;
-    # our default V1 path hands trimmed drafts to the scheduler, which needs
-    # the synchronous schedule.
+    if (sched.async_scheduling is None and not on_cpu and serves
+            and method in DEFAULT_ASYNC_METHODS
+            and vllm_config.parallel_config.world_size == 1
+            and not vllm_config.speculative_config.disable_padded_drafter_batch):
+        sched.async_scheduling = True
+        return True
+    # Our synchronous path hands trimmed drafts to the scheduler, which
+    # needs the synchronous schedule.
     sched.async_scheduling = False
     return False
 
