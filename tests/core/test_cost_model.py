@@ -106,3 +106,30 @@ def test_json_round_trip_and_summary():
     np.testing.assert_allclose(cm2.draft_cost(x), cm.draft_cost(x))
     line = cm.summary()
     assert "\n" not in line and "verify" in line and "draft" in line
+
+
+def test_depth_views_are_kept_while_the_costs_stand_and_reprice_after_a_correction():
+    """`at_depth` hands back the same view while nothing changed, and its
+    drafting cost (looked up once per request count) follows every
+    correction and the free-depth-0 switch: a kept value that outlived a
+    correction would price drafting at the old cost (the control below
+    shows the view would have kept it)."""
+    cost = CostModel.from_samples({1: [1.0], 64: [2.0]}, {1: [7.0], 64: [14.0]})
+    K = 7
+    view = cost.at_depth(3, K)
+    assert cost.at_depth(3, K) is view
+    before = view.draft_cost(8)
+    assert before == pytest.approx(float(cost.draft_cost_at_depth(8, 3, K)))
+    assert view.draft_cost(8) == before  # looked up once, kept
+    cost.set_draft_scale(3, 2.0)  # drafting at depth 3 measured at twice its profile
+    after = cost.at_depth(3, K)
+    assert after is not view
+    assert after.draft_cost(8) == pytest.approx(2.0 * before)
+    assert view.draft_cost(8) == before  # control: the old view kept the old price
+    kept = cost.at_depth(3, K)
+    assert kept is after
+    cost.free_zero_depth = True  # what depth 0 costs changed: new views
+    assert cost.at_depth(3, K) is not kept
+    # Arrays are priced as they come, never kept.
+    np.testing.assert_allclose(cost.at_depth(3, K).draft_cost(np.array([1, 64])),
+                               cost.draft_cost_at_depth(np.array([1, 64]), 3, K))

@@ -236,6 +236,9 @@ class CostModel:
         # Bumped by every correction (the set_* methods), so a caller can
         # tell whether anything it computed from these costs is still valid.
         self.version = 0
+        # Per-depth views (`at_depth`), valid for the costs they were made for.
+        self._views: dict[tuple[int, int], DepthCost] = {}
+        self._views_stamp: tuple | None = None
 
     def set_measured_draft_cost(self, bucket: int, ms: float) -> None:
         """The measured drafting cost of request-count bucket floor(log2 r)."""
@@ -391,10 +394,21 @@ class CostModel:
         return np.maximum(c0 + (c1 - c0) * ((depth - d0) / (d1 - d0)), 0.0)
 
     def at_depth(self, depth: int, num_speculative_tokens: int) -> "CostModel | DepthCost":
-        """This model with drafting priced at `depth` (itself at depth K)."""
+        """This model with drafting priced at `depth` (itself at depth K).
+        The views are kept while the costs stand (`version`, and whether
+        depth 0 is free), so the drafting cost each one prices for a request
+        count is looked up once: a depth search asks each depth's cost
+        several times a step, every step a drafter drafts."""
         if int(depth) == int(num_speculative_tokens):
             return self
-        return DepthCost(self, depth, num_speculative_tokens)
+        stamp = (self.version, self.free_zero_depth)
+        if self._views_stamp != stamp:
+            self._views, self._views_stamp = {}, stamp
+        key = (int(depth), int(num_speculative_tokens))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = DepthCost(self, depth, num_speculative_tokens)
+        return view
 
     def step_cost(self, num_reqs, num_tokens):
         return self.draft_cost(num_reqs) + self.verify_cost(num_tokens)
@@ -444,8 +458,15 @@ class DepthCost:
 
     def __init__(self, model: CostModel, depth: int, num_speculative_tokens: int):
         self.model, self.depth, self.K = model, int(depth), int(num_speculative_tokens)
+        self._draft: dict[int, float] = {}  # request count -> cost (ms); see at_depth
 
     def draft_cost(self, num_reqs):
+        if isinstance(num_reqs, (int, np.integer)):
+            cost = self._draft.get(int(num_reqs))
+            if cost is None:
+                cost = self._draft[int(num_reqs)] = float(
+                    self.model.draft_cost_at_depth(num_reqs, self.depth, self.K))
+            return cost
         return self.model.draft_cost_at_depth(num_reqs, self.depth, self.K)
 
     def verify_cost(self, num_tokens, plain: bool = False):
