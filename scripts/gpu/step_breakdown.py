@@ -202,18 +202,12 @@ def blocking_sites(events, frames: int = 3) -> list[tuple[int, str, str]]:
 def gpu_busy_ms(events) -> float:
     """Time the GPU spent running kernels or copies: the union of their
     intervals (overlapping streams counted once)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if getattr(e, "device_type", None) is not None
-                   and str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    return busy / 1e3  # us -> ms
+    from trace_gaps import union  # this script's folder (scripts/gpu)
+
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if getattr(e, "device_type", None) is not None
+             and str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    return sum(b - a for a, b in union(spans)) / 1e3  # us -> ms
 
 
 def profile_batch(llm, prompts, sp, path: str, trace: str = "") -> dict:
