@@ -137,6 +137,9 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         return Arm(name, family, "fixed", int(base[1:-2]), pinned_v1)
     if base == "ours_v2":
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
+        if family == "ngram":
+            raise ValueError("ngram_ours_v2: vLLM 0.32's Model Runner V2 builds no AV "
+                             "manager for ngram, so vllm-av refuses it there; use ngram_ours")
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
     if base == "ours":
         # Our AV on Model Runner V1 (the only runner on CPU) with synchronous

@@ -191,7 +191,7 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # speculation (V1, V2) and vLLM's AV; then, in their own folder
   # (h200_sweep_b; ARMS2= overrides, empty skips), the ngram arms: K=3 on
   # the runner vLLM picks (Model Runner V2) and on V1, where ours runs, and
-  # ours with ngram on V1 and inside V2's AV (their comparisons in one
+  # ours with ngram on V1 (V2 builds no AV for ngram; their comparisons in one
   # folder; no more than five servers up at once). GPU 1: per-phase
   # breakdowns with torch profiles, host-blocking call sites and timelines
   # (gaps reports), at C=1, of plain V1 async and ours async; the
@@ -209,7 +209,7 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
     AV_TESTS=${AV_TESTS:-(async and not copying) or always_drafts} av_tests ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av} QUIET= main_sweep
-  ARMS2=${ARMS2-ngram_ours,ngram_ours_v2,ngram_k3,ngram_k3v1}
+  ARMS2=${ARMS2-ngram_ours,ngram_k3,ngram_k3v1}
   [[ -n $ARMS2 ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
   wait $LANE1
   log "done"

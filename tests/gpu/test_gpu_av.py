@@ -169,20 +169,24 @@ def test_other_speculative_arms_keep_greedy_outputs(plain_outputs, arm):
     assert counts.get("num_draft_tokens", 0) > 0
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, method):
+def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
     """Our estimator and manager inside Model Runner V2's AV (the opt-in
     `VLLM_AV_MRV2=1` path: vllm_av/vllm/mrv2/), CUDA graphs, against the
-    same no-speculation outputs and tolerance, with the draft model and with
-    ngram prompt lookup (no draft model); drafts were verified (an engine
-    that never verified one would pass the output check trivially)."""
+    same no-speculation outputs and tolerance, with the draft model; drafts
+    were verified (an engine that never verified one would pass the output
+    check trivially) and our manager sized the steps (its metrics snapshot:
+    an engine that served the flag without it would pass both checks, as
+    ngram on V2 did before it was refused)."""
+    from vllm_av.vllm.metrics import read_snapshot
+
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
-    if method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2, "enable_adaptive_verification": True}
     counts: dict = {}
     outs = run_engine(spec, eager=False, counts=counts, env_extra={
-        "VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1"})
-    assert_agrees(outs, plain_outputs, f"ours on MRV2 ({method})", counts)
+        "VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
+        "VLLM_AV_METRICS_DIR": str(tmp_path), "VLLM_AV_METRICS_INTERVAL": "1"})
+    assert_agrees(outs, plain_outputs, "ours on MRV2 (draft_model)", counts)
     assert counts.get("num_draft_tokens", 0) > 0
+    stats = read_snapshot(str(tmp_path))
+    print(f"ours on MRV2: AV counters {stats}")
+    assert stats is not None and stats["steps"] > 0 and stats["drafted"] > 0, stats
