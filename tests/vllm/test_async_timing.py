@@ -11,11 +11,12 @@ from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock
 
 class _Verifier:
     def __init__(self):
-        self.verify, self.draft, self.plain = [], [], []
+        self.verify, self.draft, self.plain, self.prefill = [], [], [], []
 
-    def observe_verify_time(self, num_tokens, ms, plain=False):
+    def observe_verify_time(self, num_tokens, ms, plain=False, prefill=False):
         self.verify.append((num_tokens, round(ms, 6)))
         self.plain.append(plain)
+        self.prefill.append(prefill)
 
     def observe_draft_time(self, depth, num_reqs, ms):
         self.draft.append((depth, num_reqs, round(ms, 6)))
@@ -139,3 +140,41 @@ def test_synchronous_timers_pace_kinds_apart():
     assert timed_drafts == sorted(drafting_steps)
     assert [s for s, plain in timed_steps if not plain] == sorted(drafting_steps)
     assert [s for s, plain in timed_steps if plain] == list(range(n, 6 * n + 1, n))
+
+
+def test_whether_a_step_carried_prompt_tokens_is_asked_only_when_it_is_timed(clock):
+    # The check walks the step's requests, so it runs for timed steps only,
+    # and its answer travels with the measurement.
+    v, asked = _Verifier(), []
+
+    def prefill(answer):
+        def ask():
+            asked.append(answer)
+            return answer
+        return ask
+
+    for i in range(2 * TIMING_INTERVAL):
+        clock.step_started(8, prefill=prefill(i < TIMING_INTERVAL))
+        clock.drafting_starts()
+        clock.drafting_done(1, 4)
+        clock.collect(v)
+    assert asked == [True, False]  # steps 4 and 8
+    assert v.prefill == [True, False]
+
+
+def test_carries_prefill_counts_tokens_beyond_one_per_request_and_its_drafts():
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.mrv1.patches import carries_prefill
+
+    def out(num_scheduled, spec):
+        return SimpleNamespace(num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=sum(num_scheduled.values()),
+                               scheduled_spec_decode_tokens=spec)
+
+    assert not carries_prefill(out({"a": 1, "b": 1}, {}))
+    assert not carries_prefill(out({"a": 4, "b": 1}, {"a": [7, 8, 9]}))
+    assert not carries_prefill(out({"a": 4}, {"a": [-1, -1, -1]}))  # async placeholders
+    assert carries_prefill(out({"a": 1, "new": 300}, {}))
+    assert carries_prefill(out({"a": 4, "chunk": 64}, {"a": [7, 8, 9]}))
+    assert not carries_prefill(out({}, None))

@@ -61,3 +61,22 @@ def test_measured_cost_of_a_model_free_drafter_shows(tmp_path):
                 for s in fams["vllm_av:draft_cost_measured_ms"].samples}
     assert measured == {"4": 1.5}
     assert fams["vllm_av:draft_cost_scale"].samples == []
+
+
+def test_steps_carrying_prompt_tokens_are_tallied_apart(tmp_path):
+    # They correct the verification table like any timed step, and their
+    # own ratio shows beside it (diagnostic: is a bucket's correction made
+    # by prefill steps?). Decode steps at the profile, prefill steps at 3x.
+    v = _verifier()
+    predicted = float(v.cost.verify(300))  # bucket 8
+    for _ in range(20):
+        v.observe_verify_time(300, predicted)
+        v.observe_verify_time(300, 3.0 * predicted, prefill=True)
+    write_snapshot(str(tmp_path), v)
+    fams = _families(tmp_path)
+    apart = {s.labels["tokens_log2"]: s.value
+             for s in fams["vllm_av:prefill_step_cost_scale"].samples}
+    verify = {s.labels["tokens_log2"]: s.value for s in fams["vllm_av:verify_cost_scale"].samples}
+    assert list(apart) == ["8"] and np.isclose(apart["8"], 3.0, rtol=0.01), apart
+    assert list(verify) == ["8"] and 0.99 <= verify["8"] <= 3.01, verify  # both kinds
+    assert v.cost.verify_scale.get(8) == verify["8"]  # the diagnostic is not priced

@@ -278,6 +278,11 @@ class AdaptiveVerifier:
         self._draft_log_scale: dict[int, deque] = {}
         self._verify_log_scale: dict[int, deque] = {}
         self._plain_log_scale: dict[int, deque] = {}
+        # The same ratio for timed steps that carried prompt tokens, kept
+        # apart as a diagnostic only (`prefill_step_scale`, never priced):
+        # it tells whether a bucket's correction comes from such steps.
+        self._prefill_log_scale: dict[int, deque] = {}
+        self.prefill_step_scale: dict[int, float] = {}
         # Recent measured drafting times per request-count bucket, for
         # drafters with no profiled cost (model-free).
         self._draft_ms: dict[int, deque] = {}
@@ -390,19 +395,26 @@ class AdaptiveVerifier:
                 interval = max(interval, int(np.ceil(extra / (share * base))))
         return interval
 
-    def observe_verify_time(self, num_tokens: int, ms: float, plain: bool = False) -> None:
+    def observe_verify_time(self, num_tokens: int, ms: float, plain: bool = False,
+                            prefill: bool = False) -> None:
         """A measured step apart from drafting (`num_tokens` target tokens,
         wall time `ms`): corrects the verification table around that size
         (per power-of-two bucket of token counts), that of steps verifying
         drafts or, `plain`, that of steps verifying none: a plain step
         skips speculative metadata and the rejection sampler, so depth 0 is
-        priced as what it runs."""
+        priced as what it runs. `prefill`: the step carried prompt tokens;
+        it corrects the table all the same and is also tallied apart
+        (`prefill_step_scale`)."""
         if num_tokens <= 0 or not np.isfinite(ms) or ms <= 0:
             return
         predicted = float(self.cost.verify(int(num_tokens)))
         if predicted <= 1e-6:
             return
         bucket = int(np.floor(np.log2(num_tokens)))
+        if prefill:
+            apart = _update_scale(self._prefill_log_scale, bucket, ms / predicted)
+            if apart is not None:
+                self.prefill_step_scale[bucket] = apart
         log_scale = self._plain_log_scale if plain else self._verify_log_scale
         scale = _update_scale(log_scale, bucket, ms / predicted)
         if scale is not None:

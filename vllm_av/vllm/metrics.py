@@ -42,6 +42,8 @@ def snapshot(verifier) -> dict:
         # Where timed steps corrected the cost tables (COST_GAUGES).
         **{key: {str(k): v for k, v in getattr(cost, attr, {}).items()}
            for key, attr, _, _ in COST_GAUGES},
+        PREFILL_GAUGE[0]: {str(k): v for k, v in
+                           getattr(verifier, "prefill_step_scale", {}).items()},
     }
 
 
@@ -128,7 +130,7 @@ class AVCollector:
         yield pred
         yield obs
         # Cost corrections from timed steps, keyed by an integer label.
-        for key, _, label, doc in COST_GAUGES:
+        for key, _, label, doc in (*COST_GAUGES, PREFILL_GAUGE):
             gauge = GaugeMetricFamily(f"{PREFIX}{key}", doc, labels=[label])
             for k, value in sorted(snap.get(key, {}).items(), key=lambda kv: int(kv[0])):
                 gauge.add_metric([k], value)
@@ -149,6 +151,14 @@ COST_GAUGES = (
     ("draft_cost_measured_ms", "draft_measured", "reqs_log2",
      "Measured drafting cost (ms per step) of a drafter with no profiled cost "
      "(ngram, suffix), per bucket of floor(log2(requests)) (timed steps)"),
+)
+# Diagnostic, never priced: measured / profiled cost of the timed steps that
+# carried prompt tokens (AdaptiveVerifier.prefill_step_scale), set beside
+# verify_cost_scale, which takes every timed step.
+PREFILL_GAUGE = (
+    "prefill_step_cost_scale", None, "tokens_log2",
+    "Measured / profiled cost of a step carrying prompt tokens, apart from "
+    "drafting, per bucket of floor(log2(tokens)) (timed steps; diagnostic, not priced)",
 )
 
 

@@ -79,6 +79,7 @@ class _Step:
     depth: int = 0
     num_drafting: int = 0
     plain: bool = False  # the step verifies no draft
+    prefill: bool = False  # the step carries prompt tokens
 
 
 class AsyncStepClock:
@@ -98,11 +99,14 @@ class AsyncStepClock:
         """Whether the current step is one being timed."""
         return self.current is not None
 
-    def step_started(self, num_tokens: int, plain: bool = False) -> None:
+    def step_started(self, num_tokens: int, plain: bool = False, prefill=False) -> None:
+        """`prefill`: a bool, or a callable giving it (asked only for a
+        timed step)."""
         self.steps += 1
         self.current = None
         if num_tokens > 0 and timing_due(self.last_timed, plain, self.steps):
-            self.current = _Step(mark(self.device), int(num_tokens), plain=plain)
+            self.current = _Step(mark(self.device), int(num_tokens), plain=plain,
+                                 prefill=bool(prefill() if callable(prefill) else prefill))
 
     def drafting_starts(self) -> None:
         if self.current is not None:
@@ -123,7 +127,7 @@ class AsyncStepClock:
         while self.pending and self.pending[0].end.ready():
             step = self.pending.popleft()
             verifier.observe_verify_time(step.num_tokens, step.mid.ms_since(step.start),
-                                         plain=step.plain)
+                                         plain=step.plain, prefill=step.prefill)
             if step.depth > 0 and step.num_drafting > 0:
                 verifier.observe_draft_time(
                     step.depth, step.num_drafting, step.end.ms_since(step.mid)

@@ -327,13 +327,15 @@ class _StepTimer:
     ATTR = "_vllm_av_step_timer"
 
     @classmethod
-    def start(cls, runner, num_tokens: int, plain: bool = False) -> None:
+    def start(cls, runner, num_tokens: int, plain: bool = False, prefill=False) -> None:
+        """`prefill`: as for AsyncStepClock.step_started."""
         n = getattr(runner, _STEP_CALLS_ATTR, 0) + 1
         setattr(runner, _STEP_CALLS_ATTR, n)
         mark = None
         if num_tokens > 0 and timing_due(_last_timed(runner), ("step", plain), n):
             sync_device(getattr(runner, "device", None))
-            mark = (time.perf_counter(), int(num_tokens), plain)
+            mark = (time.perf_counter(), int(num_tokens), plain,
+                    bool(prefill() if callable(prefill) else prefill))
         setattr(runner, cls.ATTR, mark)
 
     @classmethod
@@ -343,8 +345,20 @@ class _StepTimer:
             return
         setattr(runner, cls.ATTR, None)
         sync_device(getattr(runner, "device", None))
-        t0, num_tokens, plain = mark
-        verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3, plain=plain)
+        t0, num_tokens, plain, prefill = mark
+        verifier.observe_verify_time(num_tokens, (time.perf_counter() - t0) * 1e3, plain=plain,
+                                     prefill=prefill)
+
+
+def carries_prefill(scheduler_output) -> bool:
+    """Whether a step schedules prompt tokens: more tokens than one per
+    request plus its drafts (a new request, or a chunk of a long prompt)."""
+    per_request = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if per_request is None:
+        return False  # a stand-in output that does not say
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return scheduler_output.total_num_scheduled_tokens > len(per_request) + sum(
+        map(len, spec.values()))
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"
@@ -581,7 +595,8 @@ class RunnerForgetPatch(VllmPatch):
         options = getattr(self, _OPTIONS_ATTR, None)
         if options is None or options.calibrate_costs:
             _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens,
-                             plain=runs_plain(self, scheduler_output))
+                             plain=runs_plain(self, scheduler_output),
+                             prefill=lambda: carries_prefill(scheduler_output))
         return orig(self, scheduler_output)
 
 
@@ -610,7 +625,8 @@ def _update_states_async(runner, verifier, orig, scheduler_output):
     clock = _async_clock(runner)
     if clock is not None:
         clock.step_started(scheduler_output.total_num_scheduled_tokens,
-                           plain=runs_plain(runner, scheduler_output))
+                           plain=runs_plain(runner, scheduler_output),
+                           prefill=lambda: carries_prefill(scheduler_output))
     pending = getattr(runner, _PENDING_OBSERVE_ATTR, None)
     if pending is not None:
         # vLLM never ran last step's closure (a step that launched nothing):
