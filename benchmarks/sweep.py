@@ -36,6 +36,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -1039,6 +1040,34 @@ def report(run_dir: Path, plots: bool = True) -> str:
     return text
 
 
+def spread(run_dirs: list[Path], pass_name: str = "t1") -> tuple[str, dict]:
+    """The same arm and concurrency measured in several run folders (two
+    rounds, or two GPUs of one round): each folder's output tokens/s and
+    max / min, and the median of max / min over the cells present in every
+    folder. Returns the Markdown table and {(arm, c): max / min}."""
+    tables = []
+    for d in run_dirs:
+        tables.append({(r["arm"], r["concurrency"]): r["output_throughput"]
+                       for r in load_results(d) if r["pass"] == pass_name
+                       and r.get("output_throughput")})
+    common = set.intersection(*(set(t) for t in tables)) if tables else set()
+    names = [Path(d).parent.name + "/" + Path(d).name for d in run_dirs]
+    lines = ["| arm | C | " + " | ".join(names) + " | max / min |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    ratio = {}
+    for arm in _order_arms({a for a, _ in common}):
+        for c in sorted(c for a, c in common if a == arm):
+            vals = [t[arm, c] for t in tables]
+            ratio[arm, c] = max(vals) / min(vals)
+            lines.append(f"| {arm} | {c} | " + " | ".join(f"{v:,.0f}" for v in vals)
+                         + f" | {ratio[arm, c]:.2f} |")
+    if ratio:
+        lines.append("")
+        lines.append(f"{len(ratio)} cells in every folder; max / min: median "
+                     f"{statistics.median(ratio.values()):.2f}, largest {max(ratio.values()):.2f}")
+    return "\n".join(lines), ratio
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -1114,6 +1143,10 @@ def parse_args(argv=None):
         s.add_argument("run_dir", type=Path)
         if name == "report":
             s.add_argument("--no-plots", dest="plots", action="store_false")
+    sp = sub.add_parser("spread", help="the same arm and C in several run folders: "
+                                       "throughput per folder and max / min")
+    sp.add_argument("run_dirs", type=Path, nargs="+")
+    sp.add_argument("--pass", dest="pass_name", default="t1")
     opts = p.parse_args(argv)
     if opts.cmd == "run":
         chat = opts.backend == "openai-chat"
@@ -1163,6 +1196,9 @@ def main(argv=None) -> int:
         return 0
     if opts.cmd == "report":
         print(report(opts.run_dir, opts.plots))
+        return 0
+    if opts.cmd == "spread":
+        print(spread(opts.run_dirs, opts.pass_name)[0])
         return 0
     if opts.cmd == "compact":
         _log(f"{compact(opts.run_dir) / 1e6:.1f} MB dropped from {opts.run_dir}")

@@ -322,3 +322,19 @@ def test_each_arm_writes_its_own_cost_table(tmp_path, monkeypatch):
     opts = sweep.parse_args(["run", "--arms", "ours", "--device", "cpu"])
     env = sweep.Server(opts, sweep.make_arm("ours_async"), tmp_path / "log").env()
     assert env["VLLM_AV_COST_TABLE_OUT"] == str(tmp_path / "cost_ours_async.json")
+
+
+def test_spread_compares_the_cells_every_folder_holds(tmp_path):
+    a, b = tmp_path / "round_a" / "sweep", tmp_path / "round_b" / "sweep"
+    for d in (a, b):
+        d.mkdir(parents=True)
+    for arm, c, thr_a, thr_b in (("nospec", 1, 100, 120), ("nospec", 16, 1000, 800),
+                                 ("ours", 1, 90, 90)):
+        write(a, fake_result(arm, c, thr_a, 10.0))
+        write(b, fake_result(arm, c, thr_b, 10.0))
+    write(a, fake_result("k3", 1, 50, 10.0))  # in one folder only: left out
+    write(b, fake_result("ours", 16, 5, 10.0, pass_name="t0"))  # greedy pass: left out
+    text, ratio = sweep.spread([a, b])
+    assert ratio == pytest.approx({("nospec", 1): 1.2, ("nospec", 16): 1.25, ("ours", 1): 1.0})
+    assert "round_a/sweep | round_b/sweep" in text and "| nospec | 16 | 1,000 | 800 | 1.25 |" in text
+    assert "3 cells in every folder; max / min: median 1.20, largest 1.25" in text
