@@ -345,6 +345,8 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         "av_draft_measured_ms": metric_max(delta, "vllm_av:draft_cost_measured_ms"),
         "av_plain_verify_scale": metric_max(delta, "vllm_av:plain_verify_cost_scale"),
         "av_verify_scale": metric_max(delta, "vllm_av:verify_cost_scale"),
+        # ... and the timed steps that carried prompt tokens (diagnostic).
+        "av_prefill_step_scale": metric_max(delta, "vllm_av:prefill_step_cost_scale"),
     }
 
 
@@ -557,6 +559,9 @@ def report_markdown(summary: dict) -> str:
              "(ours; vllm_av:verify_cost_scale)", "av_verify_scale", ".2f"),
             ("Measured / profiled cost of plain steps (no draft verified), largest over token "
              "buckets (ours; vllm_av:plain_verify_cost_scale)", "av_plain_verify_scale", ".2f"),
+            ("Measured / profiled cost of timed steps carrying prompt tokens, largest over "
+             "token buckets (ours; vllm_av:prefill_step_cost_scale, diagnostic)",
+             "av_prefill_step_scale", ".2f"),
         ):
             if not any(by[a, c].get(key) is not None for a, c in by):
                 continue

@@ -45,6 +45,8 @@ vllm_av:zero_depth_steps_total 70.0
 vllm_av:draft_depth 0.0
 vllm_av:draft_cost_scale{depth="1"} 4.5
 vllm_av:draft_cost_scale{depth="7"} 11.0
+vllm_av:prefill_step_cost_scale{tokens_log2="9"} 1.8
+vllm_av:prefill_step_cost_scale{tokens_log2="4"} 1.1
 """
 
 
@@ -174,6 +176,7 @@ def test_metrics_delta_subtracts_counters_keeps_gauges_and_drops_created():
     # This run's share of depth-0 steps: 60 of its 100 steps.
     assert m["av_zero_depth_share"] == pytest.approx(0.6)
     assert m["av_draft_cost_scale"] == 11.0  # a gauge: its value after, worst depth
+    assert m["av_prefill_step_scale"] == 1.8  # likewise, worst token bucket
 
 
 def test_merge_rows_carry_throughput_per_user_speed_and_av_counters(run_dir):
