@@ -201,7 +201,14 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # counters checked). About 17 minutes after staging. Device time is 30
   # minutes a session with staging: what ran clean in earlier rounds is
   # left out unless asked for (MRV2=1: the MRV2 smoke test).
+  # REPLICA=1: GPU 1 benches the same arms as GPU 0, at the same time and
+  # with the same settings (h200_sweep_replica), before its own work: two
+  # readings of every cell, for `sweep.py spread h200_sweep
+  # h200_sweep_replica` (the same-time spread between GPUs of one host).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
+    if [[ -n ${REPLICA:-} ]]; then
+      RUN=h200_sweep_replica sweep "${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av}" --quiet-start none
+    fi
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
       BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-k3 nospecv1_async ours_async} breakdown 1
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
