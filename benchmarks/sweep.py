@@ -36,8 +36,8 @@ import os
 import re
 import shlex
 import signal
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time

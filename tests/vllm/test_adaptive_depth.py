@@ -244,7 +244,9 @@ def test_every_fourth_step_is_timed_up_to_drafting():
     verifier = runner._vllm_av_verifier
     for step in range(1, CALIBRATION_MIN_SAMPLES * DRAFT_TIMING_INTERVAL + 1):
         so = SimpleNamespace(num_spec_tokens_to_schedule=K, finished_req_ids=set(),
-                             preempted_req_ids=None, total_num_scheduled_tokens=300)
+                             preempted_req_ids=None, total_num_scheduled_tokens=300,
+                             num_scheduled_tokens={f"r{i}": 75 for i in range(4)},
+                             scheduled_spec_decode_tokens={})
         RunnerForgetPatch._update_states(runner, so)
         RunnerAdmitPatch.propose_draft_token_ids(runner, so, [[1]] * 4)
         timed = step // DRAFT_TIMING_INTERVAL

@@ -63,6 +63,12 @@ def timing_due(last_timed: dict, kind, step: int, interval: int = TIMING_INTERVA
     return True
 
 
+def answer(flag) -> bool:
+    """A flag given as a bool or as a callable that computes it (asked only
+    where needed: for a timed step)."""
+    return bool(flag() if callable(flag) else flag)
+
+
 def mark(device):
     """A timestamp on `device`'s stream (CUDA) or on the host (otherwise)."""
     if device is not None and torch.device(device).type == "cuda":
@@ -106,7 +112,7 @@ class AsyncStepClock:
         self.current = None
         if num_tokens > 0 and timing_due(self.last_timed, plain, self.steps):
             self.current = _Step(mark(self.device), int(num_tokens), plain=plain,
-                                 prefill=bool(prefill() if callable(prefill) else prefill))
+                                 prefill=answer(prefill))
 
     def drafting_starts(self) -> None:
         if self.current is not None:

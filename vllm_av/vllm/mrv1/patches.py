@@ -32,7 +32,7 @@ import torch
 from vllm_av.core.features import FEATURE_CLIP, draft_features, match_length_feature
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
-from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, timing_due
+from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, answer, timing_due
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
@@ -334,8 +334,7 @@ class _StepTimer:
         mark = None
         if num_tokens > 0 and timing_due(_last_timed(runner), ("step", plain), n):
             sync_device(getattr(runner, "device", None))
-            mark = (time.perf_counter(), int(num_tokens), plain,
-                    bool(prefill() if callable(prefill) else prefill))
+            mark = (time.perf_counter(), int(num_tokens), plain, answer(prefill))
         setattr(runner, cls.ATTR, mark)
 
     @classmethod
@@ -353,12 +352,9 @@ class _StepTimer:
 def carries_prefill(scheduler_output) -> bool:
     """Whether a step schedules prompt tokens: more tokens than one per
     request plus its drafts (a new request, or a chunk of a long prompt)."""
-    per_request = getattr(scheduler_output, "num_scheduled_tokens", None)
-    if per_request is None:
-        return False  # a stand-in output that does not say
-    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-    return scheduler_output.total_num_scheduled_tokens > len(per_request) + sum(
-        map(len, spec.values()))
+    spec = scheduler_output.scheduled_spec_decode_tokens or {}
+    decode_tokens = len(scheduler_output.num_scheduled_tokens) + sum(map(len, spec.values()))
+    return scheduler_output.total_num_scheduled_tokens > decode_tokens
 
 
 _STEP_CALLS_ATTR = "_vllm_av_step_calls"
