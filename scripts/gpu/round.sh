@@ -6,6 +6,7 @@
 #   bash scripts/gpu/round.sh poll 300    # wait up to 300 s, show progress, copy results to $OUT
 #   bash scripts/gpu/round.sh focus       # the short round, detached (see `focus` below)
 #   GREEDY=1 bash scripts/gpu/round.sh focus  # ... with a greedy pass after each temperature pass
+#   bash scripts/gpu/round.sh full        # every arm of the sweep, in two parts (see `full` below)
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -42,7 +43,7 @@ pack() {  # a compacted copy: uncompacted sweep results outgrow what a call brin
 }
 
 case "$MODE" in
-  start|focus)
+  start|focus|full)
     mkdir -p "$RES"
     # The device tool refreshes the checkout between calls: run a copy.
     cp "$0" /tmp/round_job.sh
@@ -51,7 +52,7 @@ case "$MODE" in
     cat "$JOBLOG"
     exit 0 ;;
   poll|job) ;;
-  *) echo "usage: round.sh start | focus | poll [seconds]" >&2; exit 2 ;;
+  *) echo "usage: round.sh start | focus | full | poll [seconds]" >&2; exit 2 ;;
 esac
 
 if [[ "$MODE" == poll ]]; then
@@ -218,6 +219,29 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av} QUIET= main_sweep
   ARMS2=${ARMS2-ngram_ours,ngram_k3v1,ngram_k7v1}
   [[ -n $ARMS2 ]] && RUN=h200_sweep_b sweep "$ARMS2" --quiet-start none
+  wait $LANE1
+  log "done"
+  touch "$RES/DONE"
+  exit 0
+fi
+if [[ "${JOB_KIND:-start}" == full ]]; then
+  # The sweep's whole arm set in one round, split over the two GPUs in two
+  # parts that `sweep.py report` merges afterwards (one folder, every JSON
+  # keeps its arm): output capped at 512 tokens, temperature 1, and a
+  # greedy pass for the draft-model arms of GPU 0. Fixed K runs on Model
+  # Runner V1, the runner ours uses, where vLLM's draft model is 2-4x
+  # faster than on V2 (seventh and eleventh rounds): the stronger baseline.
+  # GPU 0: ours (the default: async), no speculation (V2), K=1 and K=3,
+  # no speculation on V1, each with its greedy pass after its temperature
+  # pass; the engine test against ours' live server.
+  # GPU 1: vLLM's AV (K=7, V2), K=5 and K=7, the ngram arms (ours, K=3,
+  # K=7; their no speculation is GPU 0's). About 17 minutes after staging.
+  ( GPU=1; export CUDA_VISIBLE_DEVICES=1
+    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b \
+      sweep "${ARMS2:-vllm_av,k5v1,k7v1,ngram_ours,ngram_k3v1,ngram_k7v1}" --quiet-start none ) &
+  LANE1=$!
+  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_a GREEDY=1 \
+    ARMS=${ARMS:-ours_async,nospec,k1v1,k3v1,nospecv1} QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"
