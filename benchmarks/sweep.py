@@ -12,6 +12,7 @@ counters; the difference is this run's share). See docs/sweep.md.
     python benchmarks/sweep.py run --run-name h200 --arms ours,vllm_av --concurrency 1,16
     python benchmarks/sweep.py merge benchmarks/results/sweep/h200
     python benchmarks/sweep.py report benchmarks/results/sweep/h200   # Markdown + PNGs
+    python benchmarks/sweep.py combine <dest> <part> <part> ...     # parts run apart
 
 Files: <results-root>/<run-name>/<arm>_c<N>.json (temperature pass),
 <arm>_c<N>_greedy.json (with --greedy), logs/<arm>.server.log,
@@ -19,7 +20,8 @@ logs/<arm>_c<N>.bench.log, failed/<arm>[_c<N>].json, summary.json,
 report.md, pareto.png, throughput.png. A rerun of the same command skips
 every (arm, concurrency) whose JSON exists, so an interrupted sweep resumes
 and a sweep can be run in parts (--arms / --concurrency subsets) that
-`merge` collects.
+`merge` collects; parts run in folders of their own (two GPUs side by side)
+are merged by `combine`.
 
 This module imports nothing from vLLM (it drives the `vllm` command), so the
 merge logic is tested without it (tests/core/test_sweep_merge.py).
@@ -35,6 +37,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -1073,6 +1076,46 @@ def spread(run_dirs: list[Path], pass_name: str = "t1") -> tuple[str, dict]:
     return "\n".join(lines), ratio
 
 
+def combine(dest: Path, parts: list[Path]) -> dict:
+    """Merge sweeps run in parts (two GPUs side by side, or two sittings)
+    into one folder that `report` reads: every part must have run with the
+    same settings (sweep_config.json fingerprints) and no (arm, C, pass)
+    may come from two parts. Copies the result JSONs and the prompts, and
+    records in combined.json which part each result came from. Returns
+    that record."""
+    dest, parts = Path(dest), [Path(d) for d in parts]
+    fingerprints = []
+    for d in parts:
+        cfg = d / "sweep_config.json"
+        if not cfg.is_file():
+            raise ValueError(f"{d} holds no sweep_config.json: not a sweep folder")
+        fingerprints.append(json.loads(cfg.read_text())["fingerprint"])
+    for d, fp in zip(parts[1:], fingerprints[1:]):
+        diff = sorted(k for k in set(fp) | set(fingerprints[0])
+                      if fp.get(k) != fingerprints[0].get(k))
+        if diff:
+            raise ValueError(f"{d} ran with other settings than {parts[0]}: {', '.join(diff)}")
+    origin: dict = {}
+    for d in parts:
+        for path in sorted(d.glob("*.json")):
+            if parse_result_name(path.name) is None:
+                continue
+            if path.name in origin:
+                raise ValueError(f"{path.name} is in both {origin[path.name]} and {d}")
+            origin[path.name] = str(d)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, d in origin.items():
+        shutil.copyfile(Path(d) / name, dest / name)
+    if (parts[0] / "prompts.json").is_file():
+        shutil.copyfile(parts[0] / "prompts.json", dest / "prompts.json")
+    record = {"parts": [str(d) for d in parts], "fingerprint": fingerprints[0],
+              "results": origin}
+    _atomic_json(dest / "combined.json", record)
+    _atomic_json(dest / "sweep_config.json", {"fingerprint": fingerprints[0],
+                                              "combined_from": record["parts"]})
+    return record
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -1148,6 +1191,10 @@ def parse_args(argv=None):
         s.add_argument("run_dir", type=Path)
         if name == "report":
             s.add_argument("--no-plots", dest="plots", action="store_false")
+    cb = sub.add_parser("combine", help="merge sweeps run in parts (same settings) "
+                                         "into one folder for `report`")
+    cb.add_argument("dest", type=Path)
+    cb.add_argument("parts", type=Path, nargs="+")
     sp = sub.add_parser("spread", help="the same arm and C in several run folders: "
                                        "throughput per folder and max / min")
     sp.add_argument("run_dirs", type=Path, nargs="+")
@@ -1201,6 +1248,14 @@ def main(argv=None) -> int:
         return 0
     if opts.cmd == "report":
         print(report(opts.run_dir, opts.plots))
+        return 0
+    if opts.cmd == "combine":
+        try:
+            record = combine(opts.dest, opts.parts)
+        except ValueError as e:
+            _log(f"error: {e}")
+            return 2
+        _log(f"{len(record['results'])} results from {len(opts.parts)} parts -> {opts.dest}")
         return 0
     if opts.cmd == "spread":
         print(spread(opts.run_dirs, opts.pass_name)[0])

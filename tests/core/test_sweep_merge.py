@@ -341,3 +341,42 @@ def test_spread_compares_the_cells_every_folder_holds(tmp_path):
     assert ratio == pytest.approx({("nospec", 1): 1.2, ("nospec", 16): 1.25, ("ours", 1): 1.0})
     assert "round_a/sweep | round_b/sweep" in text and "| nospec | 16 | 1,000 | 800 | 1.25 |" in text
     assert "3 cells in every folder; max / min: median 1.20, largest 1.25" in text
+
+
+def _part(root: Path, name: str, fingerprint: dict, results) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / "sweep_config.json").write_text(json.dumps({"fingerprint": fingerprint}))
+    (d / "prompts.json").write_text(json.dumps(["p0", "p1"]))
+    for r in results:
+        write(d, r)
+    return d
+
+
+def test_combine_merges_parts_run_apart_into_one_report(tmp_path):
+    # Two GPUs, each with some arms: ours' ratios need arms of both parts.
+    fp = {"output_len": 512, "temperature": 1.0}
+    a = _part(tmp_path, "a", fp, [fake_result("ours", 1, 200, 5.0), fake_result("nospec", 1, 100, 10.0)])
+    b = _part(tmp_path, "b", fp, [fake_result("k3", 1, 180, 6.5), fake_result("vllm_av", 1, 50, 20.0)])
+    record = sweep.combine(tmp_path / "all", [a, b])
+    assert record["results"] == {"ours_c1.json": str(a), "nospec_c1.json": str(a),
+                                 "k3_c1.json": str(b), "vllm_av_c1.json": str(b)}
+    entry = sweep.merge(tmp_path / "all", write=False)["ratios"]["t1"]["1"]
+    assert entry["ours/best_fixed"]["output_throughput"] == {"value": pytest.approx(200 / 180),
+                                                             "arm": "k3"}
+    assert entry["ours/vllm_av"]["output_throughput"]["value"] == pytest.approx(4.0)
+    assert entry["ours/nospec"]["output_throughput"]["value"] == pytest.approx(2.0)
+    assert json.loads((tmp_path / "all" / "combined.json").read_text())["parts"] == [str(a), str(b)]
+
+
+def test_combine_refuses_parts_of_other_settings_or_the_same_cell_twice(tmp_path):
+    a = _part(tmp_path, "a", {"output_len": 512}, [fake_result("ours", 1, 200, 5.0)])
+    b = _part(tmp_path, "b", {"output_len": 256}, [fake_result("k3", 1, 180, 6.5)])
+    with pytest.raises(ValueError, match="other settings.*output_len"):
+        sweep.combine(tmp_path / "x", [a, b])
+    c = _part(tmp_path, "c", {"output_len": 512}, [fake_result("ours", 1, 150, 6.0)])
+    with pytest.raises(ValueError, match="ours_c1.json is in both"):
+        sweep.combine(tmp_path / "y", [a, c])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    with pytest.raises(ValueError, match="not a sweep folder"):
+        sweep.combine(tmp_path / "z", [a, tmp_path])
