@@ -164,6 +164,12 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
                                                ("VLLM_AV_ASYNC_PLAIN_STEPS", "1")),
                    ("--async-scheduling",))
+    if base == "ours_async_skipmeta":
+        # ... and the target forward's attention metadata built without the
+        # draft's layers (option skip_draft_layer_metadata).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
+                                               ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1")),
+                   ("--async-scheduling",))
     if base == "vllm_av" and family == "draft":
         # vLLM's built-in AV exists on Model Runner V2 only (GPU).
         env = (("VLLM_AV_IMPL", "vllm"),)
@@ -171,7 +177,8 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"vllm_av, ours, ours_async, ours_async_plain, ngram_nospec, ngram_k<N>, ngram_ours")
+                     f"vllm_av, ours, ours_async, ours_async_plain, ours_async_skipmeta, ngram_nospec, "
+                     f"ngram_k<N>, ngram_ours")
 
 
 # ---------------------------------------------------------------- prompts
@@ -931,7 +938,7 @@ def run(opts) -> int:
     _atomic_json(cfg_path, cfg)
 
     arms = {a: make_arm(a, opts.av_k, opts.device, opts.baselines_on_v1) for a in opts.arms}
-    passes = ["t1"] + (["greedy"] if opts.greedy else [])
+    passes = ["greedy"] if opts.greedy_only else ["t1"] + (["greedy"] if opts.greedy else [])
     todo = pending(run_dir, opts.arms, opts.concurrency, passes)
     total = sum(len(v) for v in todo.values())
     skipped = len(opts.arms) * len(opts.concurrency) * len(passes) - total
@@ -1141,6 +1148,9 @@ def parse_args(argv=None):
     r.add_argument("--output-len", type=int, default=512, help="max output tokens per request")
     r.add_argument("--temperature", type=float, default=1.0)
     r.add_argument("--greedy", action="store_true", help="also run a temperature-0 pass")
+    r.add_argument("--greedy-only", action="store_true",
+                   help="run the temperature-0 pass alone (a sweep's greedy pass run later, "
+                        "into a folder of its own that `combine` merges)")
     r.add_argument("--ignore-eos", action="store_true", help="every request runs to --output-len")
     r.add_argument("--backend", choices=["openai-chat", "openai"], default="openai-chat",
                    help="openai-chat: /v1/chat/completions; openai: /v1/completions")

@@ -91,14 +91,17 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         return None, {}
     if arm == "nospecv1":
         return None, {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    if arm in ("ours", "ours_plain", "vllm_av"):
-        # ours_plain: ours with option async_plain_steps (with --async-scheduling)
+    if arm in ("ours", "ours_plain", "ours_skipmeta", "vllm_av"):
+        # ours_plain: ours with option async_plain_steps (with --async-scheduling);
+        # ours_skipmeta: with option skip_draft_layer_metadata
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
                 "enable_adaptive_verification": True}
         env = ({"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "0"} if arm != "vllm_av"
                else {"VLLM_AV_IMPL": "vllm"})
         if arm == "ours_plain":
             env["VLLM_AV_ASYNC_PLAIN_STEPS"] = "1"
+        if arm == "ours_skipmeta":
+            env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA"] = "1"
         return spec, env
     m = re.fullmatch(r"k(\d+)(v1)?", arm)
     if not m:

@@ -380,3 +380,15 @@ def test_combine_refuses_parts_of_other_settings_or_the_same_cell_twice(tmp_path
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="not a sweep folder"):
         sweep.combine(tmp_path / "z", [a, tmp_path])
+
+
+def test_greedy_only_runs_the_temperature_0_pass_alone(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    args = ["run", "--run-name", "x", "--results-root", str(tmp_path), "--arms", "nospec",
+            "--concurrency", "1,16", "--prompts", str(prompts), "--target", "/m/t",
+            "--draft", "/m/d", "--device", "cpu", "--dry-run"]
+    assert sweep.main(args + ["--greedy-only"]) == 0
+    assert "nospec: [(1, 'greedy'), (16, 'greedy')]" in capsys.readouterr().out
+    assert sweep.main(args + ["--greedy"]) == 0  # control: both passes
+    assert "nospec: [(1, 't1'), (1, 'greedy'), (16, 't1'), (16, 'greedy')]" in capsys.readouterr().out

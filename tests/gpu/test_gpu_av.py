@@ -120,8 +120,10 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
-    ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0")],
-    ids=["synchronous", "always_drafts", "async", "async_copying"])
+    ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
+    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1")],
+    ids=["synchronous", "always_drafts", "async", "async_copying", "always_drafts_skipmeta",
+         "async_skipmeta"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
                                                      async_scheduling, option):
     """Default compilation and CUDA graphs, so the varlen steps our
@@ -133,7 +135,10 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     trivially). With async scheduling (the default on one GPU; `async`) the
     depth is chosen when each step is scheduled (vllm_av/vllm/mrv1/scheduled_depth.py) and depth-0 steps skip
     the drafter; `async_copying` has those steps copy their sampled-token
-    counts for vLLM's correction (async_plain_steps off)."""
+    counts for vLLM's correction (async_plain_steps off). `*_skipmeta`: the
+    target's attention metadata built without the draft's layers
+    (skip_draft_layer_metadata; the real pair's head sizes differ), with
+    the drafter running every step and as served."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}

@@ -134,6 +134,15 @@ class AVOptions:
     # per concurrency with it. Off: such a step copies its sampled-token
     # counts as vLLM's drafting path would.
     async_plain_steps: bool = True
+    # Build the step's attention metadata for the target's layers only,
+    # leaving out attention groups made of the draft model's layers alone
+    # (a draft of another head size), which vLLM's drafters build for
+    # themselves (vllm_av/vllm/mrv1/draft_layer_metadata.py). Off until the
+    # greedy test has passed with it on the GPU: its first version kept
+    # the attention groups of vLLM's CUDA-graph memory profile, whose
+    # builders the captured graphs do not read, and gave wrong outputs on
+    # the H200 (tenth round).
+    skip_draft_layer_metadata: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

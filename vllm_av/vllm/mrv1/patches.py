@@ -34,6 +34,7 @@ from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.metrics import write_snapshot
 from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, answer, timing_due
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
+from vllm_av.vllm.mrv1.draft_layer_metadata import DraftLayerMetadataPatch
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
 from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, runs_plain, schedules_no_draft
@@ -753,6 +754,7 @@ MRV1_PATCHES = [
     RunnerObservePatch,
     RunnerForgetPatch,
     PlainZeroDraftStepPatch,
+    DraftLayerMetadataPatch,
     CPUWorkerStartupPatch,
     GPUWorkerStartupPatch,
     VarlenFullGraphsPatch,
