@@ -16,6 +16,9 @@ drafting step 4 ms):
   skip         adaptive depth, depth 0 skips the drafter (the default);
   keep_kv      adaptive depth, depth 0 still runs the drafter's first
                forward, so its KV stays whole.
+  catch_up     adaptive depth, depth 0 skips the drafter, and a drafting
+               step first runs it over the positions it missed (option
+               drafter_catch_up).
 For each: acceptance of verified drafts per position, depth-0 share, and
 what the verifier learned (its predicted acceptances).
 
@@ -43,6 +46,8 @@ ARMS = {
     "full_depth": {"VLLM_AV_ADAPTIVE_DEPTH": "0"},
     "skip": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "1"},
     "keep_kv": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},
+    "catch_up": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "1",
+                 "VLLM_AV_DRAFTER_CATCH_UP": "1"},
 }
 
 
@@ -64,6 +69,9 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
+            .worker.model_runner
+        cu = getattr(runner, "_vllm_av_catch_up", None)
         s = av_stats(metrics)
         shutdown(llm)
     per_pos = [o / l if l else None for o, l in zip(s["observed"], s["labelled"])]
@@ -74,6 +82,8 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
         "zero_depth_share": s["zero_depth_steps"] / s["depth_steps"] if s["depth_steps"] else None,
         "depth_steps": s["depth_steps"], "drafted": s["drafted"], "verified": s["verified"],
         "accepted": s["accepted"], "wall_s": wall,
+        "caught_up_tokens": cu.tokens_total if cu else 0,
+        "catch_up_forwards": cu.forwards_total if cu else 0,
     }
 
 

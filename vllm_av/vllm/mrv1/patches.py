@@ -35,6 +35,7 @@ from vllm_av.vllm.metrics import write_snapshot
 from vllm_av.vllm.mrv1.async_timing import TIMING_INTERVAL, AsyncStepClock, answer, timing_due
 from vllm_av.vllm.mrv1.cpu_async import CPUAsyncForTestsPatch
 from vllm_av.vllm.mrv1.draft_layer_metadata import DraftLayerMetadataPatch
+from vllm_av.vllm.mrv1.drafter_catch_up import catch_up_of, step_rows
 from vllm_av.vllm.mrv1.graphs import VarlenFullGraphsPatch
 from vllm_av.vllm.mrv1.lossless_fix import LOSSLESS_PATCHES
 from vllm_av.vllm.mrv1.plain_step import PlainZeroDraftStepPatch, runs_plain, schedules_no_draft
@@ -128,7 +129,10 @@ class RunnerAdmitPatch(VllmPatch):
         drafter's own `num_speculative_tokens` set to d (suffix decoding
         reads that), both restored afterwards. At d = 0 the drafter is not
         called at all (option `zero_depth_skips_drafter`; off, an LLM
-        drafter runs only its KV-sync forward and returns [R, 0]). Arm the proposer's feature
+        drafter runs only its KV-sync forward and returns [R, 0]; with
+        option `drafter_catch_up`, a later drafting step first runs the
+        draft model over the positions it missed, drafter_catch_up.py).
+        Arm the proposer's feature
         recording, then run `AdaptiveVerifier.admit` and return the drafts
         cut to the admitted prefix as lists (the form the V1 runner already
         hands to the scheduler for CPU-side drafters), so trimmed drafts
@@ -167,16 +171,25 @@ class RunnerAdmitPatch(VllmPatch):
         if arm:
             setattr(drafter, _FEATURES_ATTR, [])
             setattr(drafter, _TOP_ATTR, [] if lossy else None)
+        catch_up = catch_up_of(self, options)
         if depth == 0 and options.zero_depth_skips_drafter:
             # Plain decoding this step: no drafter call at all (vLLM's own
             # path when a drafter's input does not fit). With synchronous
             # scheduling, which our config enforces on V1, nothing else in
             # the runner waits on the drafter's outputs.
+            if catch_up is not None:
+                catch_up.skipped(step_rows(self, scheduler_output))
             self._draft_probs = None
             self._draft_prob_req_ids = None
             out = [[] for _ in range(self.input_batch.num_reqs)]
             _maybe_write_metrics(self, verifier)
             return out
+        if catch_up is not None:
+            rows = step_rows(self, scheduler_output)
+            holes = catch_up.holes(rows)
+            if holes:
+                catch_up.catch_up(self, holes)
+            catch_up.drafted(rows)
         timer = _DraftTimer(self, calibrate)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:
@@ -568,8 +581,9 @@ class RunnerForgetPatch(VllmPatch):
         books this step's outcomes.
     How: forget the finished and preempted request ids and, when the step
         schedules any token, `AdaptiveVerifier.begin_step` (and, every 4th
-        step, start the step timer RunnerAdmitPatch stops); then call the
-        original.
+        step, start the step timer RunnerAdmitPatch stops; with option
+        `drafter_catch_up`, note new and resumed requests' first
+        positions); then call the original.
     Upstream: none needed if AV state lived in vLLM's request state.
     Remove when: vLLM's V1 runner supports adaptive verification.
     vLLM: 0.32.0
@@ -590,6 +604,9 @@ class RunnerForgetPatch(VllmPatch):
         if scheduler_output.total_num_scheduled_tokens > 0:
             verifier.begin_step()
         options = getattr(self, _OPTIONS_ATTR, None)
+        catch_up = catch_up_of(self, options)
+        if catch_up is not None:
+            catch_up.begin_step(scheduler_output)
         if options is None or options.calibrate_costs:
             _StepTimer.start(self, scheduler_output.total_num_scheduled_tokens,
                              plain=runs_plain(self, scheduler_output),

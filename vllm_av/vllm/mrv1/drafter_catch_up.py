@@ -1,0 +1,224 @@
+"""Catch a draft model's KV cache up over the steps that skipped it.
+
+At depth 0 our AV skips the drafter (option `zero_depth_skips_drafter`), so
+a draft model never writes its KV for those steps' tokens, prompts
+included. Drafts made later attend over those holes and are accepted far
+less: on the H200 (twelfth round, greedy) ours' drafts after depth-0
+stretches were accepted at 0.05 where fixed K=1 reached 0.85-0.90. The
+estimator learns that low acceptance, so after a long depth-0 stretch
+(a load spike) drafting might never resume where it would pay. With option
+`drafter_catch_up`, a step that drafts first runs the draft model over each
+request's missed positions (one varlen forward per batch of at most
+`max_num_batched_tokens` tokens, a prefill with context whose outputs are
+dropped), writing the KV it lacks; vLLM's drafter then runs as usual. The
+drafts change, never the output distribution: verification is unchanged.
+
+Tracked per request: the first position whose draft KV may be missing or
+stale (`valid_end`). A request starts at its first scheduled position
+(vLLM trusts the draft KV of prefix-cached blocks, and so do we; a block
+cached while the drafter was skipped carries its holes). A step that skips
+the drafter lowers it to the step's first position (the previous step's
+rejected drafts left stale KV above that); a drafting step sets it past the
+step's scheduled tokens. Synchronous scheduling only: the missed tokens are
+read from the runner's host copy of each request's tokens, which async
+scheduling leaves unfilled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+
+class DrafterCatchUp:
+    """Per-request draft-KV bookkeeping and the catch-up forward."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens  # per forward (the compiled range)
+        self.valid_end: dict[str, int] = {}
+        # Every tracked request already lowered since the last drafting step.
+        self.lowered = False
+        self.tokens_total = 0
+        self.forwards_total = 0
+
+    # -- bookkeeping -------------------------------------------------------
+    def begin_step(self, scheduler_output) -> None:
+        """New and resumed requests start at their first scheduled position;
+        finished and preempted ones are dropped."""
+        for rid in scheduler_output.finished_req_ids:
+            self.valid_end.pop(rid, None)
+        for rid in scheduler_output.preempted_req_ids or ():
+            self.valid_end.pop(rid, None)
+        for req in scheduler_output.scheduled_new_reqs:
+            self.valid_end[req.req_id] = req.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        if resumed:
+            for rid, n in zip(cached.req_ids, cached.num_computed_tokens):
+                if rid in resumed:
+                    self.valid_end[rid] = n
+
+    def skipped(self, rows: list[tuple[str, int, int]]) -> None:
+        """A step that did not run the drafter; `rows`: (request id, first
+        position, scheduled tokens) of the step."""
+        if self.lowered:
+            return  # nothing was drafted since: every request is at or below
+        for rid, start, _ in rows:
+            if self.valid_end.get(rid, start) > start:
+                self.valid_end[rid] = start
+        self.lowered = True
+
+    def holes(self, rows: list[tuple[str, int, int]]) -> list[tuple[int, str, int, int]]:
+        """(row, request id, first missed position, step's first position)
+        of every request with positions the drafter has not written."""
+        out = []
+        for row, (rid, start, _) in enumerate(rows):
+            end = self.valid_end.get(rid, start)
+            if end < start:
+                out.append((row, rid, end, start))
+        return out
+
+    def drafted(self, rows: list[tuple[str, int, int]]) -> None:
+        """A step whose drafter ran over its scheduled tokens."""
+        for rid, start, n in rows:
+            if n > 0:
+                self.valid_end[rid] = start + n
+        self.lowered = False
+
+    # -- the forward -------------------------------------------------------
+    def catch_up(self, runner, holes: list[tuple[int, str, int, int]]) -> int:
+        """Run the draft model over the holes; returns the tokens run."""
+        pieces = _split(holes, self.max_tokens)
+        total = 0
+        for batch in _batches(pieces, self.max_tokens):
+            total += _forward(runner, batch)
+            self.forwards_total += 1
+        self.tokens_total += total
+        return total
+
+
+def step_rows(runner, scheduler_output) -> list[tuple[str, int, int]]:
+    """(request id, first position, scheduled tokens) per row of the
+    runner's batch, in row order."""
+    batch = runner.input_batch
+    scheduled = scheduler_output.num_scheduled_tokens
+    starts = batch.num_computed_tokens_cpu
+    return [(rid, int(starts[i]), scheduled.get(rid, 0))
+            for i, rid in enumerate(batch.req_ids)]
+
+
+def _split(holes, max_tokens: int) -> list[tuple[int, int, int]]:
+    """Each hole as pieces of at most `max_tokens` positions, in order:
+    (row, first position, end)."""
+    pieces = []
+    for row, _, a, s in holes:
+        for lo in range(a, s, max_tokens):
+            pieces.append((row, lo, min(lo + max_tokens, s)))
+    return pieces
+
+
+def _batches(pieces, max_tokens: int):
+    """Consecutive pieces grouped into forwards of at most `max_tokens`
+    tokens. A hole longer than that is split into pieces of exactly
+    `max_tokens`, each a forward of its own, run in order: every query
+    attends to KV the earlier forwards wrote."""
+    batch, size = [], 0
+    for p in pieces:
+        n = p[2] - p[1]
+        if batch and size + n > max_tokens:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += n
+    if batch:
+        yield batch
+
+
+def _forward(runner, pieces: list[tuple[int, int, int]]) -> int:
+    """One draft-model forward over `pieces` (row, first position, end),
+    each a query over the request's own context up to its end."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    drafter = runner.drafter
+    device = runner.device
+    batch = runner.input_batch
+    table = batch.block_table[drafter.kv_cache_gid]
+    rows = np.array([p[0] for p in pieces], dtype=np.int64)
+    starts = np.array([p[1] for p in pieces], dtype=np.int64)
+    ends = np.array([p[2] for p in pieces], dtype=np.int64)
+    lens = ends - starts
+    num_tokens = int(lens.sum())
+    row_of_token = np.repeat(rows, lens)
+    positions = np.concatenate([np.arange(a, e) for a, e in zip(starts, ends)])
+    token_ids = batch.token_ids_cpu[row_of_token, positions]
+    block_size = table.block_size
+    block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
+    slots = block_ids.astype(np.int64) * block_size + positions % block_size
+    query_start = np.zeros(len(pieces) + 1, dtype=np.int32)
+    np.cumsum(lens, out=query_start[1:])
+
+    def dev(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype,
+                                                             non_blocking=True)
+
+    positions_t = dev(positions, torch.int64)
+    slot_mapping = dev(slots, torch.int64)
+    query_start_cpu = torch.from_numpy(query_start)
+    seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
+    cad = CommonAttentionMetadata(
+        query_start_loc=query_start_cpu.to(device, non_blocking=True),
+        query_start_loc_cpu=query_start_cpu,
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        seq_lens_cpu_upper_bound=seq_lens_cpu,
+        num_reqs=len(pieces),
+        num_actual_tokens=num_tokens,
+        max_query_len=int(lens.max()),
+        max_seq_len=int(ends.max()),
+        block_table_tensor=table.get_device_tensor(batch.num_reqs)[dev(rows, torch.int64)],
+        slot_mapping=slot_mapping,
+        causal=True,
+        positions=positions_t,
+    )
+    _, per_layer = drafter.build_per_group_and_layer_attn_metadata(cad)
+    with set_forward_context(per_layer, drafter.vllm_config, num_tokens=num_tokens,
+                             cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                             slot_mapping={name: slot_mapping
+                                           for name in drafter._draft_attn_layer_names}):
+        drafter.model(input_ids=dev(token_ids, torch.int32), positions=positions_t,
+                      inputs_embeds=None)
+    return num_tokens
+
+
+_CATCH_UP_ATTR = "_vllm_av_catch_up"
+_WARNED_ATTR = "_vllm_av_catch_up_warned"
+
+
+def catch_up_of(runner, options) -> DrafterCatchUp | None:
+    """The runner's DrafterCatchUp when option `drafter_catch_up` is on and
+    applies (a draft model drafter, synchronous scheduling), else None."""
+    if options is None or not options.drafter_catch_up:
+        return None
+    cu = getattr(runner, _CATCH_UP_ATTR, None)
+    if cu is not None:
+        return cu or None
+    drafter = getattr(runner, "drafter", None)
+    spec = getattr(runner, "speculative_config", None)
+    reason = None
+    if getattr(runner, "use_async_scheduling", False):
+        reason = "async scheduling leaves the runner's host copy of the tokens unfilled"
+    elif spec is None or spec.method != "draft_model" or not getattr(
+            drafter, "_draft_attn_layer_names", None):
+        reason = "it applies to draft-model drafters only"
+    if reason is not None:
+        logger.warning("vllm-av: drafter_catch_up is off: %s", reason)
+        setattr(runner, _CATCH_UP_ATTR, False)
+        return None
+    cu = DrafterCatchUp(runner.scheduler_config.max_num_batched_tokens)
+    setattr(runner, _CATCH_UP_ATTR, cu)
+    return cu
