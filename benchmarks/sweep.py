@@ -170,6 +170,12 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
                                                ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1")),
                    ("--async-scheduling",))
+    if base == "ours_async_catchup":
+        # ... and the draft KV caught up over skipped steps (option
+        # drafter_catch_up).
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
+                                               ("VLLM_AV_DRAFTER_CATCH_UP", "1")),
+                   ("--async-scheduling",))
     if base == "vllm_av" and family == "draft":
         # vLLM's built-in AV exists on Model Runner V2 only (GPU).
         env = (("VLLM_AV_IMPL", "vllm"),)
@@ -177,7 +183,8 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"vllm_av, ours, ours_async, ours_async_plain, ours_async_skipmeta, ngram_nospec, "
+                     f"vllm_av, ours, ours_async, ours_async_plain, ours_async_skipmeta, "
+                     f"ours_async_catchup, ngram_nospec, "
                      f"ngram_k<N>, ngram_ours")
 
 

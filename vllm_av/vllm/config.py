@@ -146,8 +146,9 @@ class AVOptions:
     # With zero_depth_skips_drafter and a draft model, a step that drafts
     # first runs the draft model over the positions it missed while skipped
     # (vllm_av/vllm/mrv1/drafter_catch_up.py), so drafts after depth-0
-    # stretches see a whole KV cache. Synchronous scheduling only. Off until
-    # measured on a GPU: the catch-up's cost is not yet in the depth choice.
+    # stretches see a whole KV cache (under async scheduling from a device
+    # record of skipped steps' tokens). Off until measured on a GPU: the
+    # catch-up's cost is not yet in the depth choice.
     drafter_catch_up: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,

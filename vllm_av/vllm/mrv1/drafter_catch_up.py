@@ -19,9 +19,12 @@ stale (`valid_end`). A request starts at its first scheduled position
 cached while the drafter was skipped carries its holes). A step that skips
 the drafter lowers it to the step's first position (the previous step's
 rejected drafts left stale KV above that); a drafting step sets it past the
-step's scheduled tokens. Synchronous scheduling only: the missed tokens are
-read from the runner's host copy of each request's tokens, which async
-scheduling leaves unfilled.
+step's scheduled tokens. The missed tokens come from the runner's host
+copy of each request's tokens under synchronous scheduling; async
+scheduling leaves that copy unfilled, so there each skipped step's input
+tokens are recorded on the device instead (one scatter per skipped step
+into a [max_num_seqs, max_model_len] table, rows reused as requests
+finish), from where the catch-up gathers them.
 """
 
 from __future__ import annotations
@@ -37,8 +40,15 @@ logger = logging.getLogger("vllm.vllm_av")
 class DrafterCatchUp:
     """Per-request draft-KV bookkeeping and the catch-up forward."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, record_shape: tuple[int, int] | None = None,
+                 device=None):
         self.max_tokens = max_tokens  # per forward (the compiled range)
+        # Async scheduling: skipped steps' input tokens, by (row, position).
+        self.record_shape = record_shape
+        self.device = device
+        self.recorded: torch.Tensor | None = None  # allocated at the first skip
+        self.record_row: dict[str, int] = {}
+        self.free_rows: list[int] = []
         self.valid_end: dict[str, int] = {}
         # Every tracked request already lowered since the last drafting step.
         self.lowered = False
@@ -49,10 +59,12 @@ class DrafterCatchUp:
     def begin_step(self, scheduler_output) -> None:
         """New and resumed requests start at their first scheduled position;
         finished and preempted ones are dropped."""
-        for rid in scheduler_output.finished_req_ids:
+        for rid in (*scheduler_output.finished_req_ids,
+                    *(scheduler_output.preempted_req_ids or ())):
             self.valid_end.pop(rid, None)
-        for rid in scheduler_output.preempted_req_ids or ():
-            self.valid_end.pop(rid, None)
+            row = self.record_row.pop(rid, None)
+            if row is not None:
+                self.free_rows.append(row)
         for req in scheduler_output.scheduled_new_reqs:
             self.valid_end[req.req_id] = req.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
@@ -62,9 +74,12 @@ class DrafterCatchUp:
                 if rid in resumed:
                     self.valid_end[rid] = n
 
-    def skipped(self, rows: list[tuple[str, int, int]]) -> None:
+    def skipped(self, rows: list[tuple[str, int, int]], runner=None) -> None:
         """A step that did not run the drafter; `rows`: (request id, first
-        position, scheduled tokens) of the step."""
+        position, scheduled tokens) of the step. With a record (async
+        scheduling) the step's input tokens are recorded from `runner`."""
+        if self.record_shape is not None:
+            self._record(runner, rows)
         if self.lowered:
             return  # nothing was drafted since: every request is at or below
         for rid, start, _ in rows:
@@ -72,13 +87,46 @@ class DrafterCatchUp:
                 self.valid_end[rid] = start
         self.lowered = True
 
+    def _record(self, runner, rows) -> None:
+        """Scatter this step's input tokens into the record, at each
+        request's row and each token's position (both as the target read
+        them: its input ids and positions buffers, on the device)."""
+        if self.recorded is None:
+            self.recorded = torch.zeros(self.record_shape, dtype=torch.int32,
+                                        device=self.device)
+            self.free_rows = list(range(self.record_shape[0] - 1, -1, -1))
+        counts = np.array([n for _, _, n in rows], dtype=np.int64)
+        num_tokens = int(counts.sum())
+        if num_tokens == 0:
+            return
+        rows_of = np.array([self._record_row(rid) for rid, _, _ in rows], dtype=np.int64)
+        row_of_token = torch.from_numpy(np.repeat(rows_of, counts)).to(
+            self.device, non_blocking=True)
+        positions = runner.positions[:num_tokens]
+        self.recorded[row_of_token, positions] = runner.input_ids.gpu[:num_tokens]
+
+    def _record_row(self, rid: str) -> int:
+        row = self.record_row.get(rid)
+        if row is None:
+            row = self.record_row[rid] = self.free_rows.pop()
+        return row
+
+    def recorded_tokens(self, rids: list[str], positions: np.ndarray,
+                        lens: np.ndarray) -> torch.Tensor:
+        """The recorded tokens of `rids` at `positions` (`lens` per request)."""
+        rows_of = np.array([self.record_row[rid] for rid in rids], dtype=np.int64)
+        row_of_token = torch.from_numpy(np.repeat(rows_of, lens)).to(
+            self.device, non_blocking=True)
+        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        return self.recorded[row_of_token, pos]
+
     def holes(self, rows: list[tuple[str, int, int]]) -> list[tuple[int, str, int, int]]:
         """(row, request id, first missed position, step's first position)
         of every request with positions the drafter has not written."""
         out = []
         for row, (rid, start, _) in enumerate(rows):
             end = self.valid_end.get(rid, start)
-            if end < start:
+            if end < start and (self.record_shape is None or rid in self.record_row):
                 out.append((row, rid, end, start))
         return out
 
@@ -95,7 +143,7 @@ class DrafterCatchUp:
         pieces = _split(holes, self.max_tokens)
         total = 0
         for batch in _batches(pieces, self.max_tokens):
-            total += _forward(runner, batch)
+            total += _forward(runner, batch, self)
             self.forwards_total += 1
         self.tokens_total += total
         return total
@@ -111,13 +159,13 @@ def step_rows(runner, scheduler_output) -> list[tuple[str, int, int]]:
             for i, rid in enumerate(batch.req_ids)]
 
 
-def _split(holes, max_tokens: int) -> list[tuple[int, int, int]]:
+def _split(holes, max_tokens: int) -> list[tuple[int, int, int, str]]:
     """Each hole as pieces of at most `max_tokens` positions, in order:
-    (row, first position, end)."""
+    (row, first position, end, request id)."""
     pieces = []
-    for row, _, a, s in holes:
+    for row, rid, a, s in holes:
         for lo in range(a, s, max_tokens):
-            pieces.append((row, lo, min(lo + max_tokens, s)))
+            pieces.append((row, lo, min(lo + max_tokens, s), rid))
     return pieces
 
 
@@ -138,9 +186,10 @@ def _batches(pieces, max_tokens: int):
         yield batch
 
 
-def _forward(runner, pieces: list[tuple[int, int, int]]) -> int:
-    """One draft-model forward over `pieces` (row, first position, end),
-    each a query over the request's own context up to its end."""
+def _forward(runner, pieces: list[tuple[int, int, int, str]], cu: DrafterCatchUp) -> int:
+    """One draft-model forward over `pieces` (row, first position, end,
+    request id), each a query over the request's own context up to its
+    end."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -156,7 +205,6 @@ def _forward(runner, pieces: list[tuple[int, int, int]]) -> int:
     num_tokens = int(lens.sum())
     row_of_token = np.repeat(rows, lens)
     positions = np.concatenate([np.arange(a, e) for a, e in zip(starts, ends)])
-    token_ids = batch.token_ids_cpu[row_of_token, positions]
     block_size = table.block_size
     block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
     slots = block_ids.astype(np.int64) * block_size + positions % block_size
@@ -185,23 +233,25 @@ def _forward(runner, pieces: list[tuple[int, int, int]]) -> int:
         causal=True,
         positions=positions_t,
     )
+    if cu.record_shape is not None:
+        token_ids = cu.recorded_tokens([p[3] for p in pieces], positions, lens)
+    else:
+        token_ids = dev(batch.token_ids_cpu[row_of_token, positions], torch.int32)
     _, per_layer = drafter.build_per_group_and_layer_attn_metadata(cad)
     with set_forward_context(per_layer, drafter.vllm_config, num_tokens=num_tokens,
                              cudagraph_runtime_mode=CUDAGraphMode.NONE,
                              slot_mapping={name: slot_mapping
                                            for name in drafter._draft_attn_layer_names}):
-        drafter.model(input_ids=dev(token_ids, torch.int32), positions=positions_t,
-                      inputs_embeds=None)
+        drafter.model(input_ids=token_ids, positions=positions_t, inputs_embeds=None)
     return num_tokens
 
 
 _CATCH_UP_ATTR = "_vllm_av_catch_up"
-_WARNED_ATTR = "_vllm_av_catch_up_warned"
 
 
 def catch_up_of(runner, options) -> DrafterCatchUp | None:
     """The runner's DrafterCatchUp when option `drafter_catch_up` is on and
-    applies (a draft model drafter, synchronous scheduling), else None."""
+    applies (a draft-model drafter), else None."""
     if options is None or not options.drafter_catch_up:
         return None
     cu = getattr(runner, _CATCH_UP_ATTR, None)
@@ -209,16 +259,16 @@ def catch_up_of(runner, options) -> DrafterCatchUp | None:
         return cu or None
     drafter = getattr(runner, "drafter", None)
     spec = getattr(runner, "speculative_config", None)
-    reason = None
-    if getattr(runner, "use_async_scheduling", False):
-        reason = "async scheduling leaves the runner's host copy of the tokens unfilled"
-    elif spec is None or spec.method != "draft_model" or not getattr(
+    if spec is None or spec.method != "draft_model" or not getattr(
             drafter, "_draft_attn_layer_names", None):
-        reason = "it applies to draft-model drafters only"
-    if reason is not None:
-        logger.warning("vllm-av: drafter_catch_up is off: %s", reason)
+        logger.warning("vllm-av: drafter_catch_up is off: it applies to draft-model "
+                       "drafters only")
         setattr(runner, _CATCH_UP_ATTR, False)
         return None
-    cu = DrafterCatchUp(runner.scheduler_config.max_num_batched_tokens)
+    record = None
+    if getattr(runner, "use_async_scheduling", False):
+        record = (runner.max_num_reqs, runner.max_model_len)
+    cu = DrafterCatchUp(runner.scheduler_config.max_num_batched_tokens, record,
+                        getattr(runner, "device", None))
     setattr(runner, _CATCH_UP_ATTR, cu)
     return cu

@@ -185,11 +185,7 @@ class RunnerAdmitPatch(VllmPatch):
             _maybe_write_metrics(self, verifier)
             return out
         if catch_up is not None:
-            rows = step_rows(self, scheduler_output)
-            holes = catch_up.holes(rows)
-            if holes:
-                catch_up.catch_up(self, holes)
-            catch_up.drafted(rows)
+            _catch_up_before_drafting(self, catch_up, scheduler_output)
         timer = _DraftTimer(self, calibrate)
         with _drafting_depth(scheduler_output, drafter, depth):
             try:
@@ -211,6 +207,16 @@ class RunnerAdmitPatch(VllmPatch):
         return out
 
 
+def _catch_up_before_drafting(runner, catch_up, scheduler_output) -> None:
+    """Option drafter_catch_up: write the draft KV the drafter missed while
+    skipped, then note that it runs over this step's tokens."""
+    rows = step_rows(runner, scheduler_output)
+    holes = catch_up.holes(rows)
+    if holes:
+        catch_up.catch_up(runner, holes)
+    catch_up.drafted(rows)
+
+
 def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_ids,
                        *args, **kwargs):
     """Scheduled depth (async scheduling): the scheduler chose this step's
@@ -228,10 +234,15 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
     timed = clock is not None and clock.timing
     if timed:
         clock.drafting_starts()
+    catch_up = catch_up_of(runner, options)
     if depth == 0 and options is not None and options.zero_depth_skips_drafter:
         plain = options.async_plain_steps and schedules_no_draft(scheduler_output)
         out = _skip_drafter_async(runner, sampled_token_ids, copy_counts=not plain)
+        if catch_up is not None:
+            catch_up.skipped(step_rows(runner, scheduler_output), runner)
     else:
+        if catch_up is not None:
+            _catch_up_before_drafting(runner, catch_up, scheduler_output)
         out = _draft_scheduled(runner, verifier, orig, scheduler_output,
                                sampled_token_ids, *args, **kwargs)
     if timed:
@@ -583,7 +594,7 @@ class RunnerForgetPatch(VllmPatch):
         schedules any token, `AdaptiveVerifier.begin_step` (and, every 4th
         step, start the step timer RunnerAdmitPatch stops; with option
         `drafter_catch_up`, note new and resumed requests' first
-        positions); then call the original.
+        positions, in both schedulings); then call the original.
     Upstream: none needed if AV state lived in vLLM's request state.
     Remove when: vLLM's V1 runner supports adaptive verification.
     vLLM: 0.32.0
@@ -651,6 +662,9 @@ def _update_states_async(runner, verifier, orig, scheduler_output):
         rid: len(toks) for rid, toks in scheduler_output.scheduled_spec_decode_tokens.items()
     })
     gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+    catch_up = catch_up_of(runner, getattr(runner, _OPTIONS_ATTR, None))
+    if catch_up is not None:
+        catch_up.begin_step(scheduler_output)
     correction = orig(runner, scheduler_output)
     stepping = scheduler_output.total_num_scheduled_tokens > 0
 
