@@ -95,13 +95,13 @@ class DrafterCatchUp:
             self.recorded = torch.zeros(self.record_shape, dtype=torch.int32,
                                         device=self.device)
             self.free_rows = list(range(self.record_shape[0] - 1, -1, -1))
+            self._stage = _Staging(self.max_tokens, self.device)
         counts = np.array([n for _, _, n in rows], dtype=np.int64)
         num_tokens = int(counts.sum())
         if num_tokens == 0:
             return
         rows_of = np.array([self._record_row(rid) for rid, _, _ in rows], dtype=np.int64)
-        row_of_token = torch.from_numpy(np.repeat(rows_of, counts)).to(
-            self.device, non_blocking=True)
+        row_of_token = self._stage.to_device(np.repeat(rows_of, counts))
         positions = runner.positions[:num_tokens]
         self.recorded[row_of_token, positions] = runner.input_ids.gpu[:num_tokens]
 
@@ -147,6 +147,37 @@ class DrafterCatchUp:
             self.forwards_total += 1
         self.tokens_total += total
         return total
+
+
+class _Staging:
+    """Host-to-device copies of per-token indices that never make the host
+    wait for the device (async scheduling): two pinned buffers used in
+    turn, each reused only once its previous copy is done (else a fresh
+    one is taken)."""
+
+    def __init__(self, size: int, device):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        cuda = self.device.type == "cuda"
+        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=cuda)
+                        for _ in range(2)]
+        self.events = [None, None]
+        self.turn = 0
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(values)
+        i, self.turn = self.turn, 1 - self.turn
+        n = len(values)
+        busy = self.events[i] is not None and not self.events[i].query()
+        if busy or n > len(self.buffers[i]):
+            self.buffers[i] = torch.empty(max(n, len(self.buffers[i])), dtype=torch.int64,
+                                          pin_memory=True)
+        buf = self.buffers[i][:n]
+        buf.numpy()[:] = values
+        out = buf.to(self.device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
 
 
 def step_rows(runner, scheduler_output) -> list[tuple[str, int, int]]:
