@@ -364,6 +364,8 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         "av_verify_scale": metric_max(delta, "vllm_av:verify_cost_scale"),
         # ... and the timed steps that carried prompt tokens (diagnostic).
         "av_prefill_step_scale": metric_max(delta, "vllm_av:prefill_step_cost_scale"),
+        # Option drafter_catch_up: draft positions written after skipped steps.
+        "av_catch_up_tokens": metric_sum(delta, "vllm_av:drafter_catch_up_tokens_total"),
     }
 
 
@@ -579,6 +581,8 @@ def report_markdown(summary: dict) -> str:
             ("Measured / profiled cost of timed steps carrying prompt tokens, largest over "
              "token buckets (ours; vllm_av:prefill_step_cost_scale, diagnostic)",
              "av_prefill_step_scale", ".2f"),
+            ("Draft positions caught up after steps that skipped the drafter (ours; "
+             "vllm_av:drafter_catch_up_tokens_total)", "av_catch_up_tokens", ",.0f"),
         ):
             if not any(by[a, c].get(key) is not None for a, c in by):
                 continue

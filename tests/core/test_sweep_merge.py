@@ -28,6 +28,7 @@ vllm_av:draft_tokens_trimmed_total 200.0
 vllm_av:budget 12.0
 vllm_av:depth_steps_total 50.0
 vllm_av:zero_depth_steps_total 10.0
+vllm_av:drafter_catch_up_tokens_total 100.0
 vllm_av:draft_depth 7.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
@@ -42,6 +43,7 @@ vllm_av:draft_tokens_trimmed_total 800.0
 vllm_av:budget 40.0
 vllm_av:depth_steps_total 150.0
 vllm_av:zero_depth_steps_total 70.0
+vllm_av:drafter_catch_up_tokens_total 350.0
 vllm_av:draft_depth 0.0
 vllm_av:draft_cost_scale{depth="1"} 4.5
 vllm_av:draft_cost_scale{depth="7"} 11.0
@@ -177,6 +179,7 @@ def test_metrics_delta_subtracts_counters_keeps_gauges_and_drops_created():
     assert m["av_zero_depth_share"] == pytest.approx(0.6)
     assert m["av_draft_cost_scale"] == 11.0  # a gauge: its value after, worst depth
     assert m["av_prefill_step_scale"] == 1.8  # likewise, worst token bucket
+    assert m["av_catch_up_tokens"] == 250  # a counter: this run's share
 
 
 def test_merge_rows_carry_throughput_per_user_speed_and_av_counters(run_dir):

@@ -95,6 +95,9 @@ def test_caught_up_drafts_are_accepted_as_with_a_whole_cache(runs):
     assert _acceptance(run) >= 0.99
     assert run["stats"]["zero_depth_steps"] > 0  # holes were made
     assert run["caught_up"] > 0
+    # What /metrics shows as vllm_av:drafter_catch_up_tokens_total.
+    assert run["stats"]["catch_up_tokens"] == run["caught_up"]
+    assert "catch_up_tokens" not in runs["skip"]["stats"]  # the option off: no counter
 
 
 def test_holes_longer_than_a_forward_are_caught_up_in_order(runs):

@@ -80,3 +80,11 @@ def test_steps_carrying_prompt_tokens_are_tallied_apart(tmp_path):
     assert list(apart) == ["8"] and np.isclose(apart["8"], 3.0, rtol=0.01), apart
     assert list(verify) == ["8"] and 0.99 <= verify["8"] <= 3.01, verify  # both kinds
     assert v.cost.verify_scale.get(8) == verify["8"]  # the diagnostic is not priced
+
+
+def test_the_drafter_catch_up_counter_shows_when_given(tmp_path):
+    write_snapshot(str(tmp_path), _verifier())
+    assert "vllm_av:drafter_catch_up_tokens" not in _families(tmp_path)  # option off
+    write_snapshot(str(tmp_path), _verifier(), extra={"catch_up_tokens": 1152})
+    fam = _families(tmp_path)["vllm_av:drafter_catch_up_tokens"]
+    assert [s.value for s in fam.samples if s.name.endswith("_total")] == [1152]

@@ -19,7 +19,9 @@ SNAPSHOT_NAME = "av_stats_rank{rank}.json"
 PREFIX = "vllm_av:"
 
 
-def snapshot(verifier) -> dict:
+def snapshot(verifier, extra: dict | None = None) -> dict:
+    """The verifier's counters and tables; `extra`: counters kept beside it
+    (the drafter catch-up's)."""
     s = verifier.stats
     est = verifier.estimator
     cost = getattr(verifier, "cost", None)
@@ -44,14 +46,15 @@ def snapshot(verifier) -> dict:
            for key, attr, _, _ in COST_GAUGES},
         PREFILL_GAUGE[0]: {str(k): v for k, v in
                            getattr(verifier, "prefill_step_scale", {}).items()},
+        **(extra or {}),
     }
 
 
-def write_snapshot(directory: str, verifier, rank: int = 0) -> None:
+def write_snapshot(directory: str, verifier, rank: int = 0, extra: dict | None = None) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(snapshot(verifier), f)
+        json.dump(snapshot(verifier, extra), f)
     os.replace(tmp, os.path.join(directory, SNAPSHOT_NAME.format(rank=rank)))
 
 
@@ -102,6 +105,12 @@ class AVCollector:
             f"{PREFIX}zero_depth_steps", "Steps that chose to draft nothing (depth 0)",
             value=snap.get("zero_depth_steps", 0),
         )
+        if "catch_up_tokens" in snap:
+            yield CounterMetricFamily(
+                f"{PREFIX}drafter_catch_up_tokens",
+                "Positions the draft model caught up after steps that skipped it",
+                value=snap["catch_up_tokens"],
+            )
         yield GaugeMetricFamily(
             f"{PREFIX}estimator_slope", "Shared slope of the acceptance estimator",
             value=snap["slope"],

@@ -577,7 +577,10 @@ def _maybe_write_metrics(runner, verifier, count_step: bool = True) -> None:
     steps = getattr(runner, _PROPOSE_STEPS_ATTR, 0) + int(count_step)
     setattr(runner, _PROPOSE_STEPS_ATTR, steps)
     if steps and steps % options.metrics_interval == 0:
-        write_snapshot(options.metrics_dir, verifier, rank=getattr(runner, "rank", 0) or 0)
+        catch_up = catch_up_of(runner, options)
+        extra = {"catch_up_tokens": catch_up.tokens_total} if catch_up is not None else None
+        write_snapshot(options.metrics_dir, verifier, rank=getattr(runner, "rank", 0) or 0,
+                       extra=extra)
 
 
 class RunnerForgetPatch(VllmPatch):
