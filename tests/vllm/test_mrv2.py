@@ -331,3 +331,13 @@ def test_ngram_is_refused_on_model_runner_v2_where_it_would_run_without_av():
     cfg = config("draft_model")
     route_mrv2(cfg)
     assert "vllm_av" in cfg.additional_config
+
+
+def test_model_runner_v1_only_options_are_named_when_set_on_v2():
+    from vllm_av.vllm.config import AVOptions
+    from vllm_av.vllm.config_patch import v1_only_options_set
+
+    assert v1_only_options_set(AVOptions()) == []
+    assert v1_only_options_set(AVOptions(drafter_catch_up=True)) == ["drafter_catch_up"]
+    assert v1_only_options_set(AVOptions(drafter_catch_up=True, skip_draft_layer_metadata=True)) \
+        == ["drafter_catch_up", "skip_draft_layer_metadata"]

@@ -133,6 +133,15 @@ def check_mrv2_method(spec) -> None:
         )
 
 
+# Options our Model Runner V1 patches read and V2 has no counterpart for.
+V1_ONLY_OPTIONS = ("drafter_catch_up", "skip_draft_layer_metadata")
+
+
+def v1_only_options_set(options) -> list[str]:
+    """The V1-only options switched on in `options`."""
+    return [n for n in V1_ONLY_OPTIONS if getattr(options, n)]
+
+
 def route_mrv2(vllm_config) -> None:
     """Model Runner V2: vLLM's AV machinery stays on (its own checks refuse
     what it cannot serve, `check_mrv2_method` what it would serve without
@@ -158,6 +167,12 @@ def route_mrv2(vllm_config) -> None:
         spec.method, spec.num_speculative_tokens,
         "; adaptive drafting depth is Model Runner V1 only" if options.adaptive_depth else "",
     )
+    ignored = v1_only_options_set(options)
+    if ignored:
+        logger.warning("vllm-av: %s set but Model Runner V1 only: ignored on Model "
+                       "Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=0 to use them)",
+                       ", ".join(f"VLLM_AV_{n.upper()}" for n in ignored))
+
 
 
 class RouteAdaptiveVerificationPatch(VllmPatch):
