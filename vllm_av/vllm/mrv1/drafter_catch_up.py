@@ -242,6 +242,8 @@ def _forward(runner, pieces: list[tuple[int, int, int, str]], cu: DrafterCatchUp
     query_start = np.zeros(len(pieces) + 1, dtype=np.int32)
     np.cumsum(lens, out=query_start[1:])
 
+    # Plain copies: the catch-up runs only on the first drafting step after
+    # skipped ones, and its forward dwarfs a wait for the device.
     def dev(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype,
                                                              non_blocking=True)
