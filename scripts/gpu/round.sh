@@ -191,18 +191,19 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs, about 20 minutes after staging.
   # GPU 1 first: the greedy tests of ours under graphs with the draft
   # layers' metadata left out (skip_draft_layer_metadata: every step
-  # drafting, and as served) and with the drafter's KV caught up
-  # (drafter_catch_up, as served), beside the same-round controls without
-  # them; then the per-phase breakdown with torch profile and timeline at
-  # C=1 of ours async with the metadata option (the eleventh round has
-  # plain V1 async and ours async: host-blocking reads per step); then part
-  # of the twelfth round's missing greedy pass, K=5 and K=7 (512 tokens,
-  # h200_full_c; ARMS3= overrides, empty skips).
+  # drafting, and as served) beside the same-round controls without it,
+  # and the catch-up pair (depth forced to alternate 0, K: drafts over
+  # holes against drafts after drafter_catch_up, acceptance compared);
+  # then the per-phase breakdown with torch profile and timeline at C=1 of
+  # ours async with the metadata option (the eleventh round has plain V1
+  # async and ours async: host-blocking reads per step). ARMS3= adds arms'
+  # greedy passes at 512 tokens there (h200_full_d).
   # GPU 0: ours async with each option and without against no speculation
-  # (V1, V2), 256-token outputs (ARMS= overrides); then the ngram arms'
-  # greedy pass (512 tokens, h200_full_d; ARMS2= overrides, empty skips).
-  # `sweep.py combine` merges h200_full_c/_d with the twelfth round's
-  # parts; vLLM's AV's greedy pass (about 7 minutes) is left out.
+  # (V1, V2), 256-token outputs (ARMS= overrides); then part of the twelfth
+  # round's missing greedy pass, K=5 and K=7 (512 tokens, h200_full_c;
+  # ARMS2= overrides, empty skips). `sweep.py combine` merges h200_full_c/_d
+  # with the twelfth round's parts; the greedy passes of vLLM's AV (about
+  # 7 minutes) and the ngram arms are left for another round.
   # What ran clean in earlier rounds is left out unless asked for:
   # LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test.
   # REPLICA=1: GPU 1 benches GPU 0's arms at the same time first
@@ -211,18 +212,17 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
     if [[ -n ${REPLICA:-} ]]; then
       RUN=h200_sweep_replica sweep "${ARMS:-ours_async,ours_async_skipmeta,ours_async_catchup,nospecv1,nospec}" --quiet-start none
     fi
-    AV_TESTS=${AV_TESTS:-skipmeta or catchup or always_drafts or (async and not copying)} av_tests
+    AV_TESTS=${AV_TESTS:-skipmeta or always_drafts or caught_up or (async and not copying)} av_tests
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
     [[ -n ${LOSSLESS:-} ]] && lossless_test
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
       BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_skipmeta_async} breakdown 1
-    ARMS3=${ARMS3-k5v1,k7v1}
-    [[ -n $ARMS3 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS3" --greedy-only --quiet-start none
+    [[ -n ${ARMS3:-} ]] && OUTPUT_LEN=512 RUN=h200_full_d sweep "$ARMS3" --greedy-only --quiet-start none
   ) &
   LANE1=$!
   ARMS=${ARMS:-ours_async,ours_async_skipmeta,ours_async_catchup,nospecv1,nospec} QUIET= main_sweep
-  ARMS2=${ARMS2-ngram_ours,ngram_k3v1,ngram_k7v1}
-  [[ -n $ARMS2 ]] && OUTPUT_LEN=512 RUN=h200_full_d sweep "$ARMS2" --greedy-only --quiet-start none
+  ARMS2=${ARMS2-k5v1,k7v1}
+  [[ -n $ARMS2 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS2" --greedy-only --quiet-start none
   wait $LANE1
   log "done"
   touch "$RES/DONE"

@@ -41,6 +41,15 @@ RUN_ENGINE = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
+    if cfg.get("alternate_depth"):
+        # Depth 0, K, 0, K, ...: every draft follows a step that skipped the
+        # drafter. Needs the engine core in this process
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        import itertools
+        from vllm_av.core.verifier import AdaptiveVerifier
+        step = itertools.count()
+        AdaptiveVerifier.choose_depth = (
+            lambda self, *a, **kw: 0 if next(step) % 2 == 0 else self.K)
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
               max_num_seqs=256, disable_log_stats=False,
@@ -55,6 +64,11 @@ RUN_ENGINE = textwrap.dedent(
     counts = {m.name.split("spec_decode_")[1]: m.value for m in llm.get_metrics()
               if m.name in ("vllm:spec_decode_num_draft_tokens",
                             "vllm:spec_decode_num_accepted_tokens")}
+    if cfg.get("alternate_depth"):
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \\
+            .worker.model_runner
+        catch_up = getattr(runner, "_vllm_av_catch_up", None)
+        counts["catch_up_tokens"] = catch_up.tokens_total if catch_up else 0
     print("COUNTS " + json.dumps(counts))
     print("RESULT " + json.dumps(outs))
     """
@@ -62,10 +76,12 @@ RUN_ENGINE = textwrap.dedent(
 
 
 def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
-               llm_args: dict | None = None) -> list[list[int]]:
+               llm_args: dict | None = None, alternate_depth: bool = False) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
+    if alternate_depth:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS,
-           "extra": llm_args or {}}
+           "extra": llm_args or {}, "alternate_depth": alternate_depth}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -121,10 +137,9 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
     ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
-    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1"),
-    ("1", True, "DRAFTER_CATCH_UP=1")],
+    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1")],
     ids=["synchronous", "always_drafts", "async", "async_copying", "always_drafts_skipmeta",
-         "async_skipmeta", "async_catchup"])
+         "async_skipmeta"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
                                                      async_scheduling, option):
     """Default compilation and CUDA graphs, so the varlen steps our
@@ -139,9 +154,7 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     counts for vLLM's correction (async_plain_steps off). `*_skipmeta`: the
     target's attention metadata built without the draft's layers
     (skip_draft_layer_metadata; the real pair's head sizes differ), with
-    the drafter running every step and as served. `async_catchup`: the
-    draft KV caught up over skipped steps before each drafting step
-    (drafter_catch_up)."""
+    the drafter running every step and as served."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}
@@ -157,6 +170,42 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     if adaptive_depth == "0":
         assert counts.get("num_draft_tokens", 0) > 0
         assert counts.get("num_accepted_tokens", 0) > 0
+
+
+@pytest.fixture(scope="module")
+def alternating_drafts(plain_outputs):
+    """Ours as served (async scheduling) with the depth forced to alternate
+    0, K, 0, K, ...: every draft follows a step that skipped the drafter.
+    Without the catch-up the drafter drafts over holes in its KV cache;
+    with it (drafter_catch_up) it first writes them."""
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    runs = {}
+    for name, on in (("holes", "0"), ("caught_up", "1")):
+        counts: dict = {}
+        outs = run_engine(spec, eager=False, counts=counts, alternate_depth=True,
+                          env_extra={"VLLM_USE_V2_MODEL_RUNNER": "0",
+                                     "VLLM_AV_DRAFTER_CATCH_UP": on},
+                          llm_args={"async_scheduling": True})
+        assert_agrees(outs, plain_outputs, f"alternating depth, catch-up {on}", counts)
+        runs[name] = counts
+    return runs
+
+
+def test_caught_up_drafts_are_accepted_more_than_drafts_over_holes(alternating_drafts):
+    """The drafter catch-up on the GPU with the real pair: greedy outputs
+    agree with no speculation either way (checked in the fixture); the
+    catch-up ran; and the drafts it made possible are accepted more often
+    than the same engine's drafts over holes (the control)."""
+    holes, caught_up = alternating_drafts["holes"], alternating_drafts["caught_up"]
+
+    def acceptance(c):
+        return c["num_accepted_tokens"] / c["num_draft_tokens"]
+
+    print(f"acceptance over holes {acceptance(holes):.2f}, caught up "
+          f"{acceptance(caught_up):.2f} ({caught_up['catch_up_tokens']} positions)")
+    assert holes["catch_up_tokens"] == 0 < caught_up["catch_up_tokens"]
+    assert acceptance(caught_up) > acceptance(holes) + 0.1
 
 
 @pytest.mark.parametrize("arm", ["vllm_av", "fixed_k3"])
