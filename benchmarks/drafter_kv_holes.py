@@ -60,7 +60,7 @@ ARMS = {
 
 
 def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> dict:
-    from conftest import av_stats, make_llm, shutdown  # the tests' engine settings
+    from conftest import av_stats, make_llm, runner_of, shutdown  # the tests' engine settings
     from test_adaptive_depth import DEAR_DRAFT_MS, drafting_table
     from vllm import SamplingParams
 
@@ -78,8 +78,7 @@ def run_arm(models, env: dict, tmp: Path, num_prompts: int, max_tokens: int) -> 
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
-            .worker.model_runner
+        runner = runner_of(llm)
         cu = getattr(runner, "_vllm_av_catch_up", None)
         s = av_stats(metrics)
         shutdown(llm)

@@ -52,6 +52,12 @@ def make_llm(models, *, spec: dict | None, seed: int = 0, **kwargs):
     return LLM(**args)
 
 
+def runner_of(llm):
+    """The model runner of an engine whose core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def av_stats(metrics_dir) -> dict:
     """The latest AV counters the worker wrote (see vllm_av/vllm/metrics.py)."""
     from vllm_av.vllm.metrics import read_snapshot

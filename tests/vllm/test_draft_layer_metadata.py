@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import av_stats, make_llm, shutdown  # noqa: E402
+from conftest import av_stats, make_llm, runner_of, shutdown  # noqa: E402
 
 K = 3
 NUM_PROMPTS = 4
@@ -52,8 +52,7 @@ def run(models, tmp, skip: bool | None) -> tuple[list, int, int, dict | None, li
             "method": "draft_model", "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
         llm = make_llm(models, spec=spec)
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
-            .worker.model_runner
+        runner = runner_of(llm)
         execute = runner.execute_model
         mp.setattr(runner, "execute_model",
                    lambda *a, **kw: steps.append(1) or execute(*a, **kw))

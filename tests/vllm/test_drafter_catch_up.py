@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import av_stats, make_llm, shutdown  # noqa: E402
+from conftest import av_stats, make_llm, runner_of, shutdown  # noqa: E402
 from test_adaptive_depth import DEAR_DRAFT_MS, drafting_table  # noqa: E402
 
 K = 7
@@ -47,8 +47,7 @@ def _run(models, tmp, catch_up: bool, max_tokens: int | None = None,
         llm = make_llm(models, spec={"method": "draft_model", "num_speculative_tokens": K,
                                      "enable_adaptive_verification": True},
                        async_scheduling=async_scheduling)
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
-            .worker.model_runner
+        runner = runner_of(llm)
         if max_tokens is not None:
             # Holes longer than this run as several forwards, in order.
             from vllm_av.vllm.mrv1.drafter_catch_up import DrafterCatchUp

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import av_stats, make_llm, shutdown  # noqa: E402
+from conftest import av_stats, make_llm, runner_of, shutdown  # noqa: E402
 from test_adaptive_depth import DEAR_DRAFT_MS, EXPLORE_TOKENS, drafting_table  # noqa: E402
 from test_av_engine import prompts  # noqa: E402
 
@@ -84,7 +84,7 @@ def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
                   "enable_adaptive_verification": True},
         )
         core = llm.llm_engine.engine_core.engine_core
-        runner = core.model_executor.driver_worker.worker.model_runner
+        runner = runner_of(llm)
         engine = {
             "scheduler": type(core.scheduler).__name__,
             "lookup": type(core.scheduler.dynamic_sd_lookup).__name__,

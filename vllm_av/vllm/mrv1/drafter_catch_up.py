@@ -74,6 +74,12 @@ class DrafterCatchUp:
                 if rid in resumed:
                     self.valid_end[rid] = n
 
+    @property
+    def skip_needs_rows(self) -> bool:
+        """Whether `skipped` has anything to do: a record to write, or
+        requests not yet lowered since the last drafting step."""
+        return self.record_shape is not None or not self.lowered
+
     def skipped(self, rows: list[tuple[str, int, int]], runner=None) -> None:
         """A step that did not run the drafter; `rows`: (request id, first
         position, scheduled tokens) of the step. With a record (async

@@ -178,7 +178,7 @@ class RunnerAdmitPatch(VllmPatch):
             # scheduling, which our config enforces on V1, nothing else in
             # the runner waits on the drafter's outputs.
             if catch_up is not None:
-                catch_up.skipped(step_rows(self, scheduler_output))
+                _note_skipped(self, catch_up, scheduler_output)
             self._draft_probs = None
             self._draft_prob_req_ids = None
             out = [[] for _ in range(self.input_batch.num_reqs)]
@@ -205,6 +205,14 @@ class RunnerAdmitPatch(VllmPatch):
         out = _admit(self, verifier, drafts, recorded, top if lossy else None)
         _maybe_write_metrics(self, verifier)
         return out
+
+
+def _note_skipped(runner, catch_up, scheduler_output) -> None:
+    """Option drafter_catch_up: a step that skipped the drafter. Its rows
+    are listed only when needed (not on every step of a depth-0 stretch
+    under synchronous scheduling)."""
+    if catch_up.skip_needs_rows:
+        catch_up.skipped(step_rows(runner, scheduler_output), runner)
 
 
 def _catch_up_before_drafting(runner, catch_up, scheduler_output) -> None:
@@ -239,7 +247,7 @@ def _propose_scheduled(runner, verifier, orig, scheduler_output, sampled_token_i
         plain = options.async_plain_steps and schedules_no_draft(scheduler_output)
         out = _skip_drafter_async(runner, sampled_token_ids, copy_counts=not plain)
         if catch_up is not None:
-            catch_up.skipped(step_rows(runner, scheduler_output), runner)
+            _note_skipped(runner, catch_up, scheduler_output)
     else:
         if catch_up is not None:
             _catch_up_before_drafting(runner, catch_up, scheduler_output)
