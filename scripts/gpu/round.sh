@@ -160,7 +160,7 @@ main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup
+    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
@@ -189,40 +189,37 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus ]]; then
   # The short round on two GPUs, about 20 minutes after staging.
-  # GPU 1 first: the greedy tests of ours under graphs with the draft
-  # layers' metadata left out (skip_draft_layer_metadata: every step
-  # drafting, and as served) beside the same-round controls without it,
-  # and the catch-up pair (depth forced to alternate 0, K: drafts over
-  # holes against drafts after drafter_catch_up, acceptance compared);
-  # then the per-phase breakdown with torch profile and timeline at C=1 of
-  # ours async with the metadata option (the eleventh round has plain V1
-  # async and ours async: host-blocking reads per step). ARMS3= adds arms'
-  # greedy passes at 512 tokens there (h200_full_d).
-  # GPU 0: ours async with each option and without against no speculation
-  # (V1, V2), 256-token outputs (ARMS= overrides); then part of the twelfth
-  # round's missing greedy pass, K=5 and K=7 (512 tokens, h200_full_c;
-  # ARMS2= overrides, empty skips). `sweep.py combine` merges h200_full_c/_d
-  # with the twelfth round's parts; the greedy passes of vLLM's AV (about
-  # 7 minutes) and the ngram arms are left for another round.
-  # What ran clean in earlier rounds is left out unless asked for:
-  # LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test.
-  # REPLICA=1: GPU 1 benches GPU 0's arms at the same time first
-  # (h200_sweep_replica, for `sweep.py spread`).
+  # GPU 0: ours on Model Runner V2 with adaptive drafting depth (ours_v2)
+  # against no speculation on V2 (vLLM's default runner) and ours on V1
+  # against no speculation on V1, the sweep's settings (512-token outputs,
+  # temperature 1; ARMS= and OUTPUT_LEN= override), with the engine test
+  # against each of ours' live servers (256 requests with aborts).
+  # GPU 1: the greedy tests of ours on V2 (depth K; depth forced to
+  # alternate 0, K; adaptive depth as served), of the V1 options
+  # skip_draft_layer_metadata (with same-round controls) and
+  # drafter_catch_up (the alternating pair); then ARMS3 greedy-only at 512
+  # tokens into h200_full_c (default K=5, K=7: the twelfth round's missing
+  # greedy cells; empty skips), for `sweep.py combine`.
+  # Optional: BREAKDOWN=1 the per-phase breakdown (BREAKDOWN_ARMS) on GPU 1,
+  # LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test,
+  # REPLICA=1 GPU 1 benches GPU 0's arms first (h200_sweep_replica).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     if [[ -n ${REPLICA:-} ]]; then
-      RUN=h200_sweep_replica sweep "${ARMS:-ours_async,ours_async_skipmeta,ours_async_catchup,nospecv1,nospec}" --quiet-start none
+      RUN=h200_sweep_replica sweep "${ARMS:-ours_v2,nospec,ours_async,nospecv1}" --quiet-start none
     fi
-    AV_TESTS=${AV_TESTS:-skipmeta or always_drafts or caught_up or (async and not copying)} av_tests
+    AV_TESTS=${AV_TESTS:-model_runner_v2 or skipmeta or caught_up} av_tests
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
     [[ -n ${LOSSLESS:-} ]] && lossless_test
-    BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
-      BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_skipmeta_async} breakdown 1
-    [[ -n ${ARMS3:-} ]] && OUTPUT_LEN=512 RUN=h200_full_d sweep "$ARMS3" --greedy-only --quiet-start none
+    if [[ -n ${BREAKDOWN:-} ]]; then
+      BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
+        BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_skipmeta_async} breakdown 1
+    fi
+    ARMS3=${ARMS3-k5v1,k7v1}
+    [[ -n $ARMS3 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS3" --greedy-only --quiet-start none
   ) &
   LANE1=$!
-  ARMS=${ARMS:-ours_async,ours_async_skipmeta,ours_async_catchup,nospecv1,nospec} QUIET= main_sweep
-  ARMS2=${ARMS2-k5v1,k7v1}
-  [[ -n $ARMS2 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS2" --greedy-only --quiet-start none
+  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
+    ARMS=${ARMS:-ours_v2,nospec,ours_async,nospecv1} QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"

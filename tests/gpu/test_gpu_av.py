@@ -226,24 +226,55 @@ def test_other_speculative_arms_keep_greedy_outputs(plain_outputs, arm):
     assert counts.get("num_draft_tokens", 0) > 0
 
 
-def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
-    """Our estimator and manager inside Model Runner V2's AV (the opt-in
-    `VLLM_AV_MRV2=1` path: vllm_av/vllm/mrv2/), CUDA graphs, against the
-    same no-speculation outputs and tolerance, with the draft model; drafts
-    were verified (an engine that never verified one would pass the output
-    check trivially) and our manager sized the steps (its metrics snapshot:
-    an engine that served the flag without it would pass both checks, as
-    ngram on V2 did before it was refused)."""
+MRV2_ENV = {"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
+            "VLLM_AV_METRICS_INTERVAL": "1"}
+
+
+def _run_mrv2(plain_outputs, tmp_path, label, env=None, alternate_depth=False):
     from vllm_av.vllm.metrics import read_snapshot
 
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
     counts: dict = {}
-    outs = run_engine(spec, eager=False, counts=counts, env_extra={
-        "VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
-        "VLLM_AV_METRICS_DIR": str(tmp_path), "VLLM_AV_METRICS_INTERVAL": "1"})
-    assert_agrees(outs, plain_outputs, "ours on MRV2 (draft_model)", counts)
-    assert counts.get("num_draft_tokens", 0) > 0
+    outs = run_engine(spec, eager=False, counts=counts, alternate_depth=alternate_depth,
+                      env_extra={**MRV2_ENV, "VLLM_AV_METRICS_DIR": str(tmp_path), **(env or {})})
+    assert_agrees(outs, plain_outputs, label, counts)
     stats = read_snapshot(str(tmp_path))
-    print(f"ours on MRV2: AV counters {stats}")
-    assert stats is not None and stats["steps"] > 0 and stats["drafted"] > 0, stats
+    print(f"{label}: AV counters {stats}")
+    assert stats is not None, "our manager wrote no metrics"
+    return counts, stats
+
+
+def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
+    """Our estimator and manager inside Model Runner V2's AV (the opt-in
+    `VLLM_AV_MRV2=1` path: vllm_av/vllm/mrv2/), CUDA graphs, full drafting
+    depth (VLLM_AV_ADAPTIVE_DEPTH=0), against the same no-speculation
+    outputs and tolerance, with the draft model; drafts were verified (an
+    engine that never verified one would pass the output check trivially)
+    and our manager sized the steps (its metrics snapshot: an engine that
+    served the flag without it would pass both checks, as ngram on V2 did
+    before it was refused)."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, depth K",
+                              env={"VLLM_AV_ADAPTIVE_DEPTH": "0"})
+    assert counts.get("num_draft_tokens", 0) > 0
+    assert stats["steps"] > 0 and stats["drafted"] > 0 and stats["depth_steps"] == 0, stats
+
+
+def test_adaptive_depth_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
+    """Adaptive drafting depth on V2 with the depth forced to alternate 0,
+    K, 0, K, ... (every kind of step: drafter skipped, drafter run after a
+    skip, drafts verified or none): outputs agree, drafts were verified,
+    and our policy's depth steps were counted, half of them depth 0."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, depth 0/K alternating",
+                              alternate_depth=True)
+    assert counts.get("num_draft_tokens", 0) > 0
+    assert stats["depth_steps"] > 0 and 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
+
+
+def test_adaptive_depth_on_model_runner_v2_as_served(plain_outputs, tmp_path):
+    """As served (the policy chooses): outputs agree and the depth was
+    chosen at every scheduled step with decoding requests."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, adaptive depth")
+    assert stats["depth_steps"] > 0, stats
+    print(f"depth 0 on {stats['zero_depth_steps']} of {stats['depth_steps']} steps; "
+          f"drafts {counts.get('num_draft_tokens', 0)}, accepted {counts.get('num_accepted_tokens', 0)}")

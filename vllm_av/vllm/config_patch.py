@@ -142,6 +142,13 @@ def v1_only_options_set(options) -> list[str]:
     return [n for n in V1_ONLY_OPTIONS if getattr(options, n)]
 
 
+def mrv2_schedules_depth(spec, options) -> bool:
+    """Whether Model Runner V2 chooses each step's drafting depth: adaptive
+    depth on and the draft-model speculator (the one whose depth
+    MRV2DraftDepthPatch honours)."""
+    return bool(options.adaptive_depth and spec.method == "draft_model")
+
+
 def route_mrv2(vllm_config) -> None:
     """Model Runner V2: vLLM's AV machinery stays on (its own checks refuse
     what it cannot serve, `check_mrv2_method` what it would serve without
@@ -149,6 +156,10 @@ def route_mrv2(vllm_config) -> None:
     replace vLLM's."""
     check_mrv2_method(vllm_config.speculative_config)
     options = AVOptions.from_env().with_metrics_dir()
+    spec = vllm_config.speculative_config
+    # Adaptive depth on V2: chosen when scheduled, for the draft-model
+    # speculator that MRV2DraftDepthPatch stops at that depth.
+    options = replace(options, scheduled_depth=mrv2_schedules_depth(spec, options))
     if options.test_lossy_admission:
         raise ValueError(
             "vllm-av: VLLM_AV_TEST_LOSSY_ADMISSION is a Model Runner V1 negative "
@@ -161,11 +172,12 @@ def route_mrv2(vllm_config) -> None:
         )
     register_collector(options.metrics_dir)
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
-    spec = vllm_config.speculative_config
     logger.info(
-        "vllm-av: adaptive verification on Model Runner V2 (method=%s, K=%d%s)",
+        "vllm-av: adaptive verification on Model Runner V2 (method=%s, K=%d, %s)",
         spec.method, spec.num_speculative_tokens,
-        "; adaptive drafting depth is Model Runner V1 only" if options.adaptive_depth else "",
+        "drafting depth chosen when scheduled" if options.scheduled_depth
+        else "drafting depth K" + (f" ({spec.method}: adaptive depth is draft_model "
+                                   "only on Model Runner V2)" if options.adaptive_depth else ""),
     )
     ignored = v1_only_options_set(options)
     if ignored:

@@ -65,6 +65,10 @@ class ManagerStats:
     accepted: int = 0
     verified: int = 0
     coefficients: list = field(default_factory=list)
+    # Drafting depths chosen (adaptive depth; last_depth -1: none yet).
+    depth_steps: int = 0
+    zero_depth_steps: int = 0
+    last_depth: int = -1
 
 
 class _StaleSlot:
@@ -164,6 +168,11 @@ class AVManager:
         self._batch: tuple | None = None
         self._select = compiled_select_admitted() if cuda else select_admitted
         self.stats = ManagerStats()
+        # Adaptive drafting depth (set up with the cost tables) and the
+        # prior's survival last handed to it.
+        self.depth = None
+        self._prior_cache: tuple | None = None
+        self._ticks = 0  # metric snapshots: one per metrics_interval ticks
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_idx: int) -> None:
@@ -228,6 +237,10 @@ class AVManager:
                 samples(verify_curve), samples(draft_curve), graph_sizes=self._capture_sizes
             )
             logger.info("vllm-av (MRV2): %s", self.cost.summary())
+        if self.options.scheduled_depth and self.depth is None:
+            self._start_depth_policy()
+        elif self.depth is not None:
+            self.depth.cost = self.cost
         out = os.environ.get("VLLM_AV_COST_TABLE_OUT")
         if out and self.rank == 0:
             with open(out, "w") as f:
@@ -290,6 +303,73 @@ class AVManager:
         self.stats.accepted, self.stats.verified = int(s[0]), int(s[1])
         self.stats.coefficients = s[2:].tolist()
 
+    def _stale_conf(self, slots: np.ndarray) -> np.ndarray:
+        """[n, K] confidences of request slots `slots` from the landed host
+        copy; a slot with none of its own there (new, or -1: not yet in the
+        runner's states) gets the prior's row."""
+        stale = self._slots[self._stale_idx]
+        known = slots >= 0
+        conf = stale.np[np.where(known, slots, self.R)].astype(np.float64)
+        fresh = known & (self._first_record[np.maximum(slots, 0)] > stale.step)
+        if fresh.any():
+            conf[fresh] = stale.np[self.R]
+        return conf
+
+    # --------------------------------------------------------------- depth
+    def stale_survival(self, req_ids) -> np.ndarray:
+        """[R, K] survival rows of requests `req_ids` from the landed host
+        copy (the drafting depth's input: no sync, one step old)."""
+        get = self.req_states.req_id_to_index.get
+        slots = np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        return survival(self._stale_conf(slots))
+
+    def prior_survival_host(self) -> np.ndarray:
+        """[K] prior survival on the host: from the landed copy's prior row
+        once one has landed (the same array while it is unchanged, so that
+        the depth choice's memo holds), else from the estimator."""
+        stale = self._slots[self._stale_idx]
+        if stale.step < 0:
+            est = self._estimator()
+            if est is None:
+                return np.ones(self.num_speculative_steps)
+            return est.core.prior_survival_host(self.num_speculative_steps)
+        row = stale.np[self.R]
+        cached = self._prior_cache
+        if cached is None or not np.array_equal(cached[0], row):
+            prior = survival(row[None].astype(np.float64))[0]
+            prior.flags.writeable = False
+            self._prior_cache = cached = (row.copy(), prior)
+        return cached[1]
+
+    def choose_depth(self, req_ids: list[str], num_sampling: int, num_other_tokens: int,
+                     min_depth: int = 0) -> int:
+        """The drafting depth of the step being scheduled (called by the
+        scheduler through `DepthFromVerifier`, mrv1/scheduled_depth.py):
+        the core's choice over stale rows and profiled costs; K until the
+        cost tables exist."""
+        if self.depth is None:
+            return self.num_speculative_steps
+        d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth)
+        st = self.stats
+        st.last_depth = d
+        st.depth_steps += 1
+        st.zero_depth_steps += int(d == 0)
+        self._maybe_write_metrics()
+        return d
+
+    def _start_depth_policy(self) -> None:
+        """Adaptive depth (options.scheduled_depth): depth 0 skips the
+        drafter on V2 (MRV2DraftDepthPatch), so it is priced free; the
+        scheduler finds this manager as its process's verifier."""
+        from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
+        from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy
+
+        self.cost.free_zero_depth = True
+        self.depth = MRV2DepthPolicy(self)
+        register_local_verifier(self)
+        logger.info("vllm-av (MRV2): drafting depth chosen when scheduled (0..%d)",
+                    self.num_speculative_steps)
+
     def get_num_tokens(self, num_tokens_per_req: dict, draft_tokens: dict) -> int:
         """Size the draft budget B (host, stale scores) and return the step's
         token count: its non-draft tokens plus B."""
@@ -303,11 +383,7 @@ class AVManager:
         non_draft = tokens - drafts
         slot_of = self.req_states.req_id_to_index
         slots = np.array([slot_of[r] for r in req_ids], dtype=np.int64)
-        stale = self._slots[self._stale_idx]
-        conf = stale.np[slots].astype(np.float64)  # [n, K]
-        fresh = self._first_record[slots] > stale.step  # no own confidences in this copy
-        if fresh.any():
-            conf[fresh] = stale.np[self.R]
+        conf = self._stale_conf(slots)  # [n, K]
         scores = survival(conf)[np.arange(self.num_speculative_steps) < drafts[:, None]]
         # A request samples this step once its prompt is through after it.
         done_after = self.req_states.num_computed_tokens_np[slots] + non_draft
@@ -394,8 +470,11 @@ class AVManager:
 
     # ------------------------------------------------------------- metrics
     def _maybe_write_metrics(self) -> None:
+        # Ticked by budgeted steps and by depth choices: a run of depth-0
+        # steps budgets nothing and must still show up.
+        self._ticks += 1
         o = self.options
-        if not o.metrics_dir or self.stats.num_steps % o.metrics_interval:
+        if not o.metrics_dir or self._ticks % o.metrics_interval:
             return
         from vllm_av.vllm.metrics import write_snapshot
 
@@ -409,7 +488,8 @@ class AVManager:
         stats = SimpleNamespace(
             num_steps=s.num_steps, drafted=s.drafted, verified=s.verified,
             admitted=s.admitted, accepted=s.accepted, trimmed=s.trimmed,
-            last_budget=s.last_budget, last_depth=K, depth_steps=0, zero_depth_steps=0,
+            last_budget=s.last_budget, last_depth=K if s.last_depth < 0 else s.last_depth,
+            depth_steps=s.depth_steps, zero_depth_steps=s.zero_depth_steps,
             predicted=np.zeros(K), observed=np.zeros(K), labelled=np.zeros(K),
         )
         est = SimpleNamespace(slope=coef[0], intercepts=coef[1:])

@@ -1,0 +1,215 @@
+"""Adaptive drafting depth on Model Runner V2: the depth choice over the
+manager's stale confidences, the draft-model speculator stopped at that
+depth, the routing, and vLLM 0.32's code that both rely on (CPU tensors;
+the served path runs on the H200, tests/gpu/test_gpu_av.py)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_av.core.cost_model import CostModel  # noqa: E402
+from vllm_av.vllm.config import AVOptions  # noqa: E402
+from vllm_av.vllm.mrv1.scheduled_depth import local_verifier, register_local_verifier  # noqa: E402
+from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch  # noqa: E402
+from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
+from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
+
+K = 4
+R_MAX = 8
+
+
+# ------------------------------------------------------------ vLLM premises
+def test_vllm_runner_passes_the_depth_and_masks_drafts_past_it():
+    """The patch leaves drafts past the depth to the runner, which masks
+    them with -1 and schedules only the first `depth` of them."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "num_speculative_tokens=num_spec_tokens" in src
+    assert "draft_tokens[:, num_spec_tokens:] = -1" in src
+    assert "draft_tokens[input_batch.idx_mapping, :num_spec_tokens]" in src
+
+
+def test_vllm_standalone_drafter_loops_over_its_step_count():
+    """The depth patch stops the drafter by setting its step count for the
+    call: its decode loop and its one-step return must read that count."""
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
+
+    assert "range(1, self.num_speculative_steps)" in inspect.getsource(
+        StandaloneARSpeculator._multi_step_decode)
+    src = inspect.getsource(StandaloneARSpeculator.propose)
+    assert "if self.num_speculative_steps == 1" in src
+    assert "num_speculative_tokens" in str(inspect.signature(StandaloneARSpeculator.propose))
+
+
+# ------------------------------------------------------------ the drafter
+class _Drafter:
+    """A standalone drafter's state as the patch sees it; the original
+    propose drafts one column per step it is told to run."""
+
+    propose = MRV2DraftDepthPatch.propose
+
+    def __init__(self, scheduled_depth=True, fail=False):
+        self.num_speculative_steps = K
+        self.vllm_config = SimpleNamespace(additional_config={
+            "vllm_av": AVOptions(scheduled_depth=scheduled_depth).to_dict()})
+        self.draft_tokens = torch.zeros(R_MAX, K, dtype=torch.int64)
+        self.draft_token_confidence_probs = torch.full((R_MAX, K), 0.5)
+        self.acceptance_estimator = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
+        self.forwards: list[int] = []
+        self.fail = fail
+
+    def _orig_propose(self, input_batch, *args, **kwargs):
+        n, steps = input_batch.num_reqs, self.num_speculative_steps
+        for step in range(steps):
+            self.forwards.append(step)
+            self.draft_tokens[:n, step] = 100 + step
+            self.draft_token_confidence_probs[:n, step] = 0.9
+        if self.fail:
+            raise RuntimeError("drafter failed")
+        return self.draft_tokens[:n, :1] if steps == 1 else self.draft_tokens[:n]
+
+
+def _propose(d, depth, **kwargs):
+    return d.propose(SimpleNamespace(num_reqs=3), num_speculative_tokens=depth, **kwargs)
+
+
+def test_depth_zero_skips_the_drafter_and_gives_undrafted_slots_the_prior():
+    d = _Drafter()
+    out = _propose(d, 0)
+    assert d.forwards == [] and out.shape == (3, K)
+    prior = d.acceptance_estimator.prior_confidences()
+    torch.testing.assert_close(d.draft_token_confidence_probs[:3], prior.expand(3, K))
+    assert (d.draft_token_confidence_probs[3:] == 0.5).all()  # rows past the batch untouched
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_depth_d_runs_d_forwards_then_restores_k(depth):
+    d = _Drafter()
+    out = _propose(d, depth)
+    assert d.forwards == list(range(depth)) and d.num_speculative_steps == K
+    assert out.shape == (3, K)  # all K columns: the runner masks those past the depth
+    assert (out[:, :depth] == 100 + torch.arange(depth)).all()
+    conf = d.draft_token_confidence_probs[:3]
+    assert (conf[:, :depth] == 0.9).all()
+    prior = d.acceptance_estimator.prior_confidences()
+    torch.testing.assert_close(conf[:, depth:], prior[depth:].expand(3, K - depth))
+
+
+def test_full_depth_dummy_runs_and_depth_off_run_unchanged():
+    for depth, kwargs, on in ((K, {}, True), (None, {}, True), (1, {"dummy_run": True}, True),
+                              (0, {}, False), (2, {}, False)):
+        d = _Drafter(scheduled_depth=on)
+        _propose(d, depth, **kwargs)
+        assert d.forwards == list(range(K)), (depth, kwargs, on)
+
+
+def test_failed_draft_restores_the_step_count():
+    d = _Drafter(fail=True)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        _propose(d, 2)
+    assert d.num_speculative_steps == K
+
+
+# ------------------------------------------------------------ the choice
+def _req_states(ids):
+    return SimpleNamespace(
+        num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=R_MAX,
+        max_num_batched_tokens=64, req_id_to_index={r: i for i, r in enumerate(ids)},
+        num_computed_tokens_np=np.full(R_MAX, 100, dtype=np.int32),
+        prefill_len=SimpleNamespace(np=np.full(R_MAX, 10, dtype=np.int32)),
+    )
+
+
+def _manager(ids, draft_ms, tmp_path, scheduled_depth=True):
+    m = AVManager(_req_states(ids), torch.zeros(R_MAX + 1, dtype=torch.int32),
+                  num_bonus_tokens=1, max_total_logits=10_000,
+                  options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
+                                    scheduled_depth=scheduled_depth))
+    for i in range(len(ids)):
+        m.add_request(i)
+    # Verification flat up to 64 tokens: extra tokens are free to verify,
+    # so drafting pays or not by its own cost alone.
+    m.set_cost_curves([(1, [draft_ms]), (8, [draft_ms])], [(1, [1.0]), (64, [1.0])])
+    return m
+
+
+@pytest.fixture
+def verifier_slot():
+    before = local_verifier()
+    yield
+    register_local_verifier(before)
+
+
+def _choices(m, ids, steps=6):
+    return [m.choose_depth(ids, len(ids), len(ids)) for _ in range(steps)]
+
+
+def test_cheap_drafts_of_confident_requests_go_deep_dear_ones_stop(tmp_path, verifier_slot):
+    ids = ["a", "b"]
+    cheap = _manager(ids, draft_ms=0.01, tmp_path=tmp_path)
+    assert local_verifier() is cheap and cheap.cost.free_zero_depth
+    cheap.record_confidences(torch.full((2, K), 0.95), SimpleNamespace(
+        num_reqs=2, idx_mapping=torch.tensor([0, 1]), idx_mapping_np=np.array([0, 1])))
+    cheap.record_confidences(torch.full((2, K), 0.95), SimpleNamespace(
+        num_reqs=2, idx_mapping=torch.tensor([0, 1]), idx_mapping_np=np.array([0, 1])))
+    assert _choices(cheap, ids) == [K] * 6
+    dear = _manager(ids, draft_ms=50.0, tmp_path=tmp_path)
+    assert set(_choices(dear, ids)) == {0}
+    assert dear.stats.zero_depth_steps == dear.stats.depth_steps == 6
+
+
+def test_depth_reads_stale_rows_new_requests_get_the_prior(tmp_path, verifier_slot):
+    """Rows with low stale confidence stop drafting where confident rows
+    would draft; a request the runner has not seen is scored with the
+    prior. The current drafts are never read: only landed host copies."""
+    ids = ["a", "b"]
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([0, 1]),
+                            idx_mapping_np=np.array([0, 1]))
+    m = _manager(ids, draft_ms=0.4, tmp_path=tmp_path)
+    m.record_confidences(torch.full((2, K), 0.02), batch)
+    m.record_confidences(torch.full((2, K), 0.99), batch)  # not landed yet
+    rows = m.stale_survival(ids + ["new"])
+    np.testing.assert_allclose(rows[0], np.cumprod(np.full(K, 0.02)), rtol=1e-5)
+    np.testing.assert_allclose(rows[2], m.prior_survival_host(), rtol=1e-6)
+    assert m.choose_depth(ids, 2, 2) == 0
+    m.record_confidences(torch.full((2, K), 0.99), batch)  # now 0.99 has landed
+    m.depth._last_depth = K  # rows are read (not the prior) after a drafting step
+    assert m.choose_depth(ids, 2, 2) > 0
+
+
+def test_depth_steps_reach_metrics_without_any_budgeted_step(tmp_path, verifier_slot):
+    from vllm_av.vllm.metrics import read_snapshot
+
+    ids = ["a"]
+    m = _manager(ids, draft_ms=50.0, tmp_path=tmp_path)
+    _choices(m, ids, steps=3)
+    assert m.stats.num_steps == 0  # nothing was budgeted
+    snap = read_snapshot(str(tmp_path))
+    assert snap and snap["depth_steps"] == 3 and snap["zero_depth_steps"] == 3
+
+
+def test_without_scheduled_depth_the_manager_drafts_k(tmp_path, verifier_slot):
+    register_local_verifier(None)
+    m = _manager(["a"], draft_ms=50.0, tmp_path=tmp_path, scheduled_depth=False)
+    assert m.depth is None and local_verifier() is None
+    assert m.choose_depth(["a"], 1, 1) == K
+
+
+# ------------------------------------------------------------ routing
+def test_v2_routes_adaptive_depth_for_draft_models_only():
+    from vllm_av.vllm.config_patch import mrv2_schedules_depth
+
+    on, off = AVOptions(adaptive_depth=True), AVOptions(adaptive_depth=False)
+    spec = SimpleNamespace
+    assert mrv2_schedules_depth(spec(method="draft_model"), on)
+    assert not mrv2_schedules_depth(spec(method="draft_model"), off)
+    for method in ("eagle", "eagle3", "mtp"):
+        assert not mrv2_schedules_depth(spec(method=method), on)

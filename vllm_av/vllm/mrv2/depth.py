@@ -1,0 +1,112 @@
+"""Adaptive drafting depth on Model Runner V2 (draft models).
+
+The depth of each step is chosen when the step is scheduled, as on V1
+with async scheduling: `ScheduledDepthPatch` (mrv1/scheduled_depth.py, the
+scheduler is V1's for both runners) asks the local verifier, here our MRV2
+manager, through `AVManager.choose_depth`. The choice itself is the core's
+(`AdaptiveVerifier.choose_depth`: the expected-tokens-per-time search over
+depths with exploration), read over the manager's host copies of the
+confidences: `MRV2DepthPolicy` supplies the stale rows and the prior.
+
+V2's runner passes that depth to `speculator.propose(num_speculative_tokens
+=d)` and masks drafts past d with -1, but vLLM 0.32's draft-model speculator
+ignores it and runs all K forwards. `MRV2DraftDepthPatch` makes it stop: at
+depth 0 the drafter is skipped (a plain step), at depth d < K it runs d
+forwards. The confidences of slots not drafted are set to the estimator's
+prior, so the next budget and depth never read another request's leftovers.
+Nothing here reads a drafted token (DESIGN 2.5): the depth comes from
+earlier steps' confidences and profiled costs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_av.core.verifier import AdaptiveVerifier
+from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.patching import VllmPatch
+
+
+class MRV2DepthPolicy(AdaptiveVerifier):
+    """The core's depth choice over an MRV2 manager's stale confidences.
+
+    Only the depth half of AdaptiveVerifier is used (`choose_depth` and
+    what it calls); admission stays with vLLM's MRV2 machinery and our
+    manager. The rows it reads are the manager's landed host copy (one
+    step old, like the V1 path's)."""
+
+    def __init__(self, manager) -> None:
+        super().__init__(manager.num_speculative_steps, manager.cost)
+        self.manager = manager
+
+    def stale_scores(self, req_ids: list[str], num_drafted: np.ndarray) -> np.ndarray:
+        rows = self.manager.stale_survival(req_ids)  # [R, K]
+        n = np.minimum(np.asarray(num_drafted), self.K)
+        return rows[np.arange(self.K) < n[:, None]]
+
+    def _prior_host(self) -> np.ndarray:
+        return self.manager.prior_survival_host()
+
+
+def _adaptive_depth_on(speculator) -> bool:
+    on = getattr(speculator, "_vllm_av_depth_on", None)
+    if on is None:
+        options = av_options_of(speculator.vllm_config)
+        on = bool(options is not None and options.scheduled_depth)
+        speculator._vllm_av_depth_on = on
+    return on
+
+
+def _prior_for_undrafted(speculator, num_reqs: int, depth: int) -> None:
+    """Slots from `depth` on were not drafted this step: give them the
+    estimator's prior (device copy, no sync)."""
+    conf = getattr(speculator, "draft_token_confidence_probs", None)
+    est = getattr(speculator, "acceptance_estimator", None)
+    if conf is None or est is None or not hasattr(est, "prior_confidences"):
+        return
+    conf[:num_reqs, depth:] = est.prior_confidences()[depth:].to(conf.dtype)
+
+
+class MRV2DraftDepthPatch(VllmPatch):
+    """Draft only the scheduled depth with Model Runner V2's draft model.
+
+    Target: vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.propose
+    Why: V2's runner passes the scheduled depth (`num_speculative_tokens`)
+        to `propose`, but vLLM 0.32's draft-model speculator always runs its
+        K forwards and the runner throws the drafts past the depth away, so
+        a step of depth 0 still pays the whole drafter and adaptive depth
+        could never be cheaper than fixed K.
+    How: with our adaptive depth on (options.scheduled_depth), depth 0
+        returns the speculator's draft buffer without running the drafter
+        (the runner masks it all with -1); depth d < K runs the original
+        with its step count set to d for the call (its decode loop and its
+        one-step early return read that count), then restores K. Slots not
+        drafted get the estimator's prior confidences. Dummy runs and
+        depth K run unchanged.
+    Upstream: honour `num_speculative_tokens` in StandaloneARSpeculator.propose.
+    Remove when: vLLM's V2 draft-model speculator stops at the depth it is given.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
+    attributes = ("propose",)
+    platforms = ("cuda",)
+
+    def propose(self, input_batch, *args, **kwargs):
+        orig = type(self)._orig_propose
+        K = self.num_speculative_steps
+        depth = kwargs.get("num_speculative_tokens")
+        if (depth is None or depth >= K or kwargs.get("dummy_run")
+                or not _adaptive_depth_on(self)):
+            return orig(self, input_batch, *args, **kwargs)
+        n = input_batch.num_reqs
+        depth = max(int(depth), 0)
+        if depth > 0:
+            self.num_speculative_steps = depth
+            try:
+                orig(self, input_batch, *args, **kwargs)
+            finally:
+                self.num_speculative_steps = K
+        _prior_for_undrafted(self, n, depth)
+        return self.draft_tokens[:n]
+
