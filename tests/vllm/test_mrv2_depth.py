@@ -81,13 +81,15 @@ def _propose(d, depth, **kwargs):
     return d.propose(SimpleNamespace(num_reqs=3), num_speculative_tokens=depth, **kwargs)
 
 
-def test_depth_zero_skips_the_drafter_and_gives_undrafted_slots_the_prior():
+def test_depth_zero_skips_the_drafter_and_says_so():
+    from vllm_av.vllm.mrv2.depth import drafter_skipped
+
     d = _Drafter()
     out = _propose(d, 0)
-    assert d.forwards == [] and out.shape == (3, K)
-    prior = d.acceptance_estimator.prior_confidences()
-    torch.testing.assert_close(d.draft_token_confidence_probs[:3], prior.expand(3, K))
-    assert (d.draft_token_confidence_probs[3:] == 0.5).all()  # rows past the batch untouched
+    assert d.forwards == [] and out.shape == (3, K) and drafter_skipped()
+    assert (d.draft_token_confidence_probs == 0.5).all()  # nothing recorded, nothing written
+    _propose(d, 2)
+    assert not drafter_skipped()
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -213,3 +215,39 @@ def test_v2_routes_adaptive_depth_for_draft_models_only():
     assert not mrv2_schedules_depth(spec(method="draft_model"), off)
     for method in ("eagle", "eagle3", "mtp"):
         assert not mrv2_schedules_depth(spec(method=method), on)
+
+
+# ------------------------------------------------------------ depth-0 steps
+def test_depth_zero_step_records_nothing_and_does_not_wait(tmp_path, verifier_slot, monkeypatch):
+    """After a skipped drafter the manager returns before its host wait and
+    leaves its copies alone; a drafting step records as before."""
+    import vllm_av.vllm.mrv2.depth as depth
+
+    ids = ["a", "b"]
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([0, 1]),
+                            idx_mapping_np=np.array([0, 1]))
+    m = _manager(ids, draft_ms=0.4, tmp_path=tmp_path)
+    monkeypatch.setitem(depth._LAST_PROPOSE, "skipped", True)
+    m.record_confidences(torch.full((2, K), 0.3), batch)
+    assert m._record_step == 0 and m._slots[0].step == m._slots[1].step == -1
+    monkeypatch.setitem(depth._LAST_PROPOSE, "skipped", False)
+    m.record_confidences(torch.full((2, K), 0.3), batch)
+    assert m._record_step == 1
+
+
+def test_estimator_learns_only_from_steps_whose_drafts_were_budgeted(tmp_path, verifier_slot):
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=1)
+    m = _manager(["a"], draft_ms=0.4, tmp_path=tmp_path)
+    assert est._only_verified
+    idx = torch.tensor([0])
+
+    def step(accepted):
+        est.step(idx, torch.tensor([accepted + 1]), torch.tensor([K - accepted]))
+        return est.totals.tolist()
+
+    assert step(2) == [0.0, 0.0]  # no budgeted drafts this step: skipped
+    m.get_num_tokens({"a": 1 + K}, {"a": [0] * K})
+    assert step(2) == [2.0, float(K)]
+    assert step(2) == [2.0, float(K)]  # the flag is spent
+    m._batch = None
+    del est

@@ -14,6 +14,9 @@ ignores it and runs all K forwards. `MRV2DraftDepthPatch` makes it stop: at
 depth 0 the drafter is skipped (a plain step), at depth d < K it runs d
 forwards. The confidences of slots not drafted are set to the estimator's
 prior, so the next budget and depth never read another request's leftovers.
+A depth-0 step costs a plain step plus host bookkeeping: our manager
+records no confidences (no host wait on the copy stream) and our estimator
+skips the step's empty observation.
 Nothing here reads a drafted token (DESIGN 2.5): the depth comes from
 earlier steps' confidences and profiled costs.
 """
@@ -48,6 +51,16 @@ class MRV2DepthPolicy(AdaptiveVerifier):
         return self.manager.prior_survival_host()
 
 
+# Whether the last `propose` of this process skipped the drafter (depth 0):
+# the runner's `record_confidences` that follows it then has nothing new to
+# record and returns before its host wait (AVManager.record_confidences).
+_LAST_PROPOSE = {"skipped": False}
+
+
+def drafter_skipped() -> bool:
+    return _LAST_PROPOSE["skipped"]
+
+
 def _adaptive_depth_on(speculator) -> bool:
     on = getattr(speculator, "_vllm_av_depth_on", None)
     if on is None:
@@ -78,7 +91,8 @@ class MRV2DraftDepthPatch(VllmPatch):
         could never be cheaper than fixed K.
     How: with our adaptive depth on (options.scheduled_depth), depth 0
         returns the speculator's draft buffer without running the drafter
-        (the runner masks it all with -1); depth d < K runs the original
+        (the runner masks it all with -1) and tells our manager that there
+        is nothing to record (`drafter_skipped`); depth d < K runs the original
         with its step count set to d for the call (its decode loop and its
         one-step early return read that count), then restores K. Slots not
         drafted get the estimator's prior confidences. Dummy runs and
@@ -96,17 +110,22 @@ class MRV2DraftDepthPatch(VllmPatch):
         orig = type(self)._orig_propose
         K = self.num_speculative_steps
         depth = kwargs.get("num_speculative_tokens")
+        _LAST_PROPOSE["skipped"] = False
         if (depth is None or depth >= K or kwargs.get("dummy_run")
                 or not _adaptive_depth_on(self)):
             return orig(self, input_batch, *args, **kwargs)
         n = input_batch.num_reqs
         depth = max(int(depth), 0)
-        if depth > 0:
-            self.num_speculative_steps = depth
-            try:
-                orig(self, input_batch, *args, **kwargs)
-            finally:
-                self.num_speculative_steps = K
+        if depth == 0:
+            # Nothing drafted, nothing to record: the buffer's confidences
+            # are not read before the next drafting step overwrites them.
+            _LAST_PROPOSE["skipped"] = True
+            return self.draft_tokens[:n]
+        self.num_speculative_steps = depth
+        try:
+            orig(self, input_batch, *args, **kwargs)
+        finally:
+            self.num_speculative_steps = K
         _prior_for_undrafted(self, n, depth)
         return self.draft_tokens[:n]
 

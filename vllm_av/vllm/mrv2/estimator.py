@@ -78,7 +78,15 @@ class AcceptanceEstimator:
         self._conf_scratch = torch.zeros(max_num_reqs + 1, K, dtype=torch.float32, device=self.device)
         # Accepted and verified drafts so far (device counters, for metrics).
         self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # With adaptive depth, `step` runs only for steps whose drafts were
+        # scheduled (`verifying`, set by our manager when it budgets them):
+        # a step with no drafts has no outcome to learn from.
+        self._only_verified = False
+        self.verifying = False
         _LIVE[_key(self.device)] = weakref.ref(self)
+
+    def observe_only_verified_steps(self) -> None:
+        self._only_verified = True
 
     # ------------------------------------------------------------- predict
     def predict(
@@ -134,6 +142,10 @@ class AcceptanceEstimator:
     ) -> None:
         """Fit on the drafts the target has just verified (features recorded
         when they were drafted; `predict` overwrites them next)."""
+        if self._only_verified:
+            if not self.verifying:
+                return
+            self.verifying = False
         R = self.max_num_reqs
         valid = idx_mapping >= 0
         slot = torch.where(valid, idx_mapping, torch.full_like(idx_mapping, R)).long()

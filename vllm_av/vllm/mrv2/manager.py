@@ -258,6 +258,12 @@ class AVManager:
     def record_confidences(self, confidence_probs: torch.Tensor, input_batch) -> None:
         """This step's confidences [>= num_reqs, K] by batch row: keep them
         for the next step's selection and start their copy to the host."""
+        from vllm_av.vllm.mrv2.depth import drafter_skipped
+
+        if drafter_skipped():
+            # Depth 0: nothing drafted. Waiting here for the last copy would
+            # hold the host to the device every plain step.
+            return
         n = input_batch.num_reqs
         # The copy started one step ago becomes what budgets read; the copy
         # budgets were reading is free to be overwritten by this step's.
@@ -366,6 +372,9 @@ class AVManager:
 
         self.cost.free_zero_depth = True
         self.depth = MRV2DepthPolicy(self)
+        est = self._estimator()
+        if est is not None:
+            est.observe_only_verified_steps()
         register_local_verifier(self)
         logger.info("vllm-av (MRV2): drafting depth chosen when scheduled (0..%d)",
                     self.num_speculative_steps)
@@ -397,6 +406,9 @@ class AVManager:
             num_drafting_reqs=n, cost=self.cost, max_budget=min(num_drafts, max(0, room)),
         )
         self._batch = ({r: i for i, r in enumerate(req_ids)}, drafts, non_draft, budget)
+        est = self._estimator()
+        if est is not None:
+            est.verifying = True  # this step verifies drafts: its outcomes are labels
         st = self.stats
         st.num_steps += 1
         st.drafted += num_drafts
