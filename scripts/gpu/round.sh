@@ -197,11 +197,13 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # GPU 1: the greedy tests of ours on V2 (depth K; depth forced to
   # alternate 0, K; adaptive depth as served), of the V1 options
   # skip_draft_layer_metadata (with same-round controls) and
-  # drafter_catch_up (the alternating pair); then ARMS3 greedy-only at 512
+  # drafter_catch_up (the alternating pair); the per-phase breakdown with
+  # torch profile and timeline at C=1 of ours on V2 and no speculation on
+  # V2 (where a depth-0 step of ours_v2 loses to V2's plain step; BREAKDOWN=0
+  # skips, BREAKDOWN_ARMS= overrides); then ARMS3 greedy-only at 512
   # tokens into h200_full_c (default K=5, K=7: the twelfth round's missing
   # greedy cells; empty skips), for `sweep.py combine`.
-  # Optional: BREAKDOWN=1 the per-phase breakdown (BREAKDOWN_ARMS) on GPU 1,
-  # LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test,
+  # Optional: LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test,
   # REPLICA=1 GPU 1 benches GPU 0's arms first (h200_sweep_replica).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     if [[ -n ${REPLICA:-} ]]; then
@@ -210,9 +212,9 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
     AV_TESTS=${AV_TESTS:-model_runner_v2 or skipmeta or caught_up} av_tests
     [[ -n ${MRV2:-} ]] && mrv2_smoke 1
     [[ -n ${LOSSLESS:-} ]] && lossless_test
-    if [[ -n ${BREAKDOWN:-} ]]; then
+    if [[ ${BREAKDOWN:-1} != 0 ]]; then
       BREAKDOWN_CONC=${BREAKDOWN_CONC:-1} BREAKDOWN_TRACE=${BREAKDOWN_TRACE-1} \
-        BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_skipmeta_async} breakdown 1
+        BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_v2 nospec} breakdown 1
     fi
     ARMS3=${ARMS3-k5v1,k7v1}
     [[ -n $ARMS3 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS3" --greedy-only --quiet-start none

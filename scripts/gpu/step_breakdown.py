@@ -19,7 +19,8 @@ holds per-phase mean ms per call and calls.
 
 Arms: nospec, nospecv1 (no speculation on Model Runner V1), kN (fixed K on
 vLLM's default runner, V2 on GPU), kNv1 (fixed K on Model Runner V1), ours
-(our AV at K=7 on V1), vllm_av (vLLM's AV at K=7 on V2).
+(our AV at K=7 on V1), ours_v2 (ours inside Model Runner V2), vllm_av
+(vLLM's AV at K=7 on V2).
 `--async-scheduling` serves any arm with async scheduling;
 `--torch-profile PATH` adds a torch.profiler op table of one batch.
 """
@@ -103,6 +104,11 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         if arm == "ours_skipmeta":
             env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA"] = "1"
         return spec, env
+    if arm == "ours_v2":
+        # Our AV inside Model Runner V2 (adaptive depth: the drafter skipped at depth 0).
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
+                "enable_adaptive_verification": True}
+        return spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
     m = re.fullmatch(r"k(\d+)(v1)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")

@@ -252,6 +252,6 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     "V1: set VLLM_USE_V2_MODEL_RUNNER=0 to use it there, "
                     f"{ENV_IMPL}=vllm for vLLM's built-in AV on Model Runner V2, "
                     f"or {ENV_MRV2}=1 for our AV inside Model Runner V2 "
-                    "(CUDA only; experimental: not yet run on a GPU)"
+                    "(CUDA only)"
                 )
         type(self)._orig___post_init__(self)
