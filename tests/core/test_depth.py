@@ -85,6 +85,21 @@ def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(
     assert full == [interval, 2 * interval]
 
 
+def test_exploration_waits_for_a_step_that_allows_it(no_time_share_bound):
+    """A due exploration is deferred while `may_explore` is False (prompt
+    tokens in the step) and happens at the first step that allows it."""
+    R = 4
+    v = _verifier(draft_ms=1e6)
+    depths = [v.choose_depth(_ids(R), R, R) for _ in range(EXPLORE_MIN_INTERVAL - 1)]
+    depths += [v.choose_depth(_ids(R), R, R, may_explore=False) for _ in range(3)]
+    depths.append(v.choose_depth(_ids(R), R, R))
+    assert depths == [0] * (EXPLORE_MIN_INTERVAL + 2) + [K]
+    # A stream of steps that never allow it explores after twice the interval.
+    never = [v.choose_depth(_ids(R), R, R, may_explore=False)
+             for _ in range(2 * EXPLORE_MIN_INTERVAL)]
+    assert never == [0] * (2 * EXPLORE_MIN_INTERVAL - 1) + [K]
+
+
 def test_min_depth_is_a_floor():
     v = _verifier(draft_ms=1e6)
     assert v.choose_depth(_ids(4), 4, 4, min_depth=K) == K

@@ -29,14 +29,30 @@ class _Verifier:
     def __init__(self, depth):
         self.depth, self.calls = depth, []
 
-    def choose_depth(self, req_ids, num_sampling, num_other_tokens, min_depth=0):
+    def choose_depth(self, req_ids, num_sampling, num_other_tokens, min_depth=0,
+                     may_explore=True):
         self.calls.append((list(req_ids), num_sampling, num_other_tokens, min_depth))
+        self.may_explore = may_explore
         return max(self.depth, min_depth)
 
 
-def _request(rid, prefill=False, seed=None):
+def _request(rid, prefill=False, seed=None, computed=100, prompt=10):
     return SimpleNamespace(request_id=rid, is_prefill_chunk=prefill,
-                           sampling_params=SimpleNamespace(seed=seed))
+                           sampling_params=SimpleNamespace(seed=seed),
+                           num_computed_tokens=computed, num_prompt_tokens=prompt)
+
+
+def test_no_exploration_while_prompt_tokens_are_scheduled(monkeypatch):
+    """A chunk of a long prompt, or a new request whose prompt is not yet
+    computed, defers exploration; decoding requests alone allow it."""
+    v = _Verifier(depth=0)
+    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", v)
+    decode = [_request("a"), _request("b")]
+    for running, allowed in ((decode, True),
+                             (decode + [_request("c", prefill=True, computed=8, prompt=40)], False),
+                             (decode + [_request("d", computed=0, prompt=40)], False)):
+        DepthFromVerifier(SimpleNamespace(num_spec_tokens=K, running=running))[len(running)]
+        assert v.may_explore is allowed, running
 
 
 def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):

@@ -301,6 +301,7 @@ class AdaptiveVerifier:
         num_sampling: int,
         num_other_tokens: int,
         min_depth: int = 0,
+        may_explore: bool = True,
     ) -> int:
         """Drafting depth d in 0..K for this step, before anything is drafted.
 
@@ -308,6 +309,12 @@ class AdaptiveVerifier:
         num_sampling, num_other_tokens: as for `admit`.
         min_depth: a floor (the vLLM adapter drafts K when a request carries
             its own seed, so that its output depends on its seed alone).
+        may_explore: False defers a due exploration step to the next step
+            that allows it, for at most one more interval (the vLLM adapter passes False while prompt
+            tokens are scheduled: a drafter skipped at depth 0 would run
+            over them at full depth, and on the H200 one such step on
+            Model Runner V2 held up a quarter of a wave's first tokens by
+            about a second).
 
         For each d the budget B_d is sized from the stale rows cut to depth
         d, with drafting charged at depth d (`CostModel.draft_cost_at_depth`),
@@ -328,10 +335,7 @@ class AdaptiveVerifier:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
         self._since_plain_probe += 1
-        # The step-count floor first: the interval's cost lookups only once
-        # it is reached (the interval is never shorter than that floor).
-        if (self._since_explore >= max(EXPLORE_MIN_INTERVAL, R // 2)
-                and self._since_explore >= self._explore_interval(R, num_other_tokens)):
+        if self._explore_due(R, num_other_tokens, may_explore):
             self._since_explore, d = 0, K
         elif self._plain_probe_due():
             d = 0
@@ -344,6 +348,18 @@ class AdaptiveVerifier:
         s.depth_steps += 1
         s.zero_depth_steps += int(d == 0)
         return d
+
+    def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:
+        """Whether this step explores: its interval has passed and the step
+        allows it, or twice its interval has passed (a stream of prompts
+        must not starve exploration)."""
+        since = self._since_explore
+        # The step-count floor first: the interval's cost lookups only once
+        # it is reached (the interval is never shorter than that floor).
+        if since < max(EXPLORE_MIN_INTERVAL, R // 2):
+            return False
+        interval = self._explore_interval(R, num_other_tokens)
+        return since >= (interval if may_explore else 2 * interval)
 
     def _plain_probe_due(self) -> bool:
         """A depth-0 step to time a plain step (see PLAIN_PROBE_INTERVAL)."""

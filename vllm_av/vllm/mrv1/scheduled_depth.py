@@ -58,17 +58,29 @@ class DepthFromVerifier:
                     "executor); drafting K=%d every step", K,
                 )
             return K
-        decoding, seeded = [], False
+        decoding, seeded, prompt = [], False, False
         for r in self.scheduler.running:
+            # Prompt tokens in this step: a chunk of a long prompt, a new or
+            # resumed request (its computed tokens still short of its prompt).
+            prompt = prompt or r.is_prefill_chunk or _prompt_pending(r)
             if not r.is_prefill_chunk:
                 decoding.append(r.request_id)
                 # A request with its own seed is verified in full (as in the
                 # synchronous path), so it is drafted in full too.
                 seeded = seeded or getattr(r.sampling_params, "seed", None) is not None
         n = len(decoding)
+        # No exploration over prompt tokens: a drafter skipped at depth 0
+        # would run over all of them at once.
         return verifier.choose_depth(
             decoding, num_sampling=n, num_other_tokens=n, min_depth=K if seeded else 0,
+            may_explore=not prompt,
         )
+
+
+def _prompt_pending(request) -> bool:
+    computed = getattr(request, "num_computed_tokens", None)
+    prompt = getattr(request, "num_prompt_tokens", None)
+    return computed is not None and prompt is not None and computed < prompt
 
 
 class ScheduledDepthPatch(VllmPatch):

@@ -348,14 +348,15 @@ class AVManager:
         return cached[1]
 
     def choose_depth(self, req_ids: list[str], num_sampling: int, num_other_tokens: int,
-                     min_depth: int = 0) -> int:
+                     min_depth: int = 0, may_explore: bool = True) -> int:
         """The drafting depth of the step being scheduled (called by the
         scheduler through `DepthFromVerifier`, mrv1/scheduled_depth.py):
         the core's choice over stale rows and profiled costs; K until the
         cost tables exist."""
         if self.depth is None:
             return self.num_speculative_steps
-        d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth)
+        d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth,
+                                    may_explore=may_explore)
         st = self.stats
         st.last_depth = d
         st.depth_steps += 1
