@@ -70,6 +70,23 @@ def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
     assert v.calls[-1][3] == K
 
 
+def test_synchronous_depth_passes_on_whether_exploring_is_allowed():
+    """The synchronous path's depth call (the drafter runs over this step's
+    tokens) hands the verifier its caller's `may_explore`, with the batch's
+    decoding requests."""
+    import numpy as np
+
+    from vllm_av.vllm.mrv1.patches import _choose_depth
+
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], generators={}),
+        discard_request_mask=SimpleNamespace(np=np.array([False, True, False])))
+    v = _Verifier(depth=1)
+    for allowed in (True, False):
+        assert _choose_depth(runner, v, may_explore=allowed) == 1
+        assert v.may_explore is allowed and v.calls[-1] == (["a", "c"], 2, 2, 0)
+
+
 def run_async(tiny_models, tmp, draft_ms: float, max_tokens: int = MAX_TOKENS,
               calibrate: bool = False, plain_async_steps: bool = True):
     """Greedy outputs of our AV under async scheduling, its AV counters, the

@@ -165,7 +165,9 @@ class RunnerAdmitPatch(VllmPatch):
         calibrate = options is None or options.calibrate_costs
         depth = None
         if options is not None and options.adaptive_depth:
-            depth = _choose_depth(self, verifier)
+            # No exploration over prompt tokens: the drafter would run over
+            # them all at full depth (see AdaptiveVerifier.choose_depth).
+            depth = _choose_depth(self, verifier, may_explore=not carries_prefill(scheduler_output))
         arm = hasattr(drafter, "_sample_draft_tokens")
         lossy = options is not None and options.test_lossy_admission
         if arm:
@@ -398,7 +400,7 @@ def _num_decoding(runner) -> int:
     return int(num_reqs - runner.discard_request_mask.np[:num_reqs].sum())
 
 
-def _choose_depth(runner, verifier) -> int:
+def _choose_depth(runner, verifier, may_explore: bool = True) -> int:
     """The drafting depth of this step, from stale scores and counts only."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = runner.input_batch.req_ids[:num_reqs]
@@ -410,7 +412,8 @@ def _choose_depth(runner, verifier) -> int:
     # depends on its seed alone (see `_admit`); it must be drafted in full too.
     seeded = any(idx < num_reqs for idx in runner.input_batch.generators)
     return verifier.choose_depth(
-        decoding, num_sampling=n, num_other_tokens=n, min_depth=verifier.K if seeded else 0
+        decoding, num_sampling=n, num_other_tokens=n, min_depth=verifier.K if seeded else 0,
+        may_explore=may_explore,
     )
 
 
