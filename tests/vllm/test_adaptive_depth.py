@@ -215,7 +215,9 @@ def test_depth_zero_skips_the_drafter_unless_told_to_keep_its_kv(skip):
     from vllm_av.vllm.mrv1.patches import RunnerAdmitPatch
 
     runner, calls = _fake_runner(depth_zero_cost=1e5, skip=skip)
-    so = SimpleNamespace(num_spec_tokens_to_schedule=K)
+    so = SimpleNamespace(num_spec_tokens_to_schedule=K, total_num_scheduled_tokens=4,
+                         num_scheduled_tokens={f"r{i}": 1 for i in range(4)},
+                         scheduled_spec_decode_tokens={})
     out = RunnerAdmitPatch.propose_draft_token_ids(runner, so, [[1]] * 4)
     assert out == [[], [], [], []]
     assert so.num_spec_tokens_to_schedule == K  # restored
