@@ -12,8 +12,9 @@ V2's runner passes that depth to `speculator.propose(num_speculative_tokens
 =d)` and masks drafts past d with -1, but vLLM 0.32's draft-model speculator
 ignores it and runs all K forwards. `MRV2DraftDepthPatch` makes it stop: at
 depth 0 the drafter is skipped (a plain step), at depth d < K it runs d
-forwards. The confidences of slots not drafted are set to the estimator's
-prior, so the next budget and depth never read another request's leftovers.
+forwards, and the confidences of its slots not drafted are set to the
+estimator's prior, so the next budget and depth never read another
+request's leftovers.
 A depth-0 step costs a plain step plus host bookkeeping: our manager
 records no confidences (no host wait on the copy stream) and our estimator
 skips the step's empty observation.
