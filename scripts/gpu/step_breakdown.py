@@ -92,11 +92,12 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         return None, {}
     if arm == "nospecv1":
         return None, {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    av_spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
+               "enable_adaptive_verification": True}
     if arm in ("ours", "ours_plain", "ours_skipmeta", "vllm_av"):
         # ours_plain: ours with option async_plain_steps (with --async-scheduling);
         # ours_skipmeta: with option skip_draft_layer_metadata
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
-                "enable_adaptive_verification": True}
+        spec = av_spec
         env = ({"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "0"} if arm != "vllm_av"
                else {"VLLM_AV_IMPL": "vllm"})
         if arm == "ours_plain":
@@ -106,9 +107,7 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         return spec, env
     if arm == "ours_v2":
         # Our AV inside Model Runner V2 (adaptive depth: the drafter skipped at depth 0).
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 7,
-                "enable_adaptive_verification": True}
-        return spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
+        return av_spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
     m = re.fullmatch(r"k(\d+)(v1)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")

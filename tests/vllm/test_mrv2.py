@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from conftest import mrv2_req_states  # noqa: E402
 from vllm_av.core.budget import size_budget  # noqa: E402
 from vllm_av.core.cost_model import CostModel  # noqa: E402
 from vllm_av.core.features import draft_features  # noqa: E402
@@ -95,15 +96,7 @@ def test_mrv2_available_only_on_cuda():
 
 # ------------------------------------------------------------- fakes
 def _req_states(ids):
-    return SimpleNamespace(
-        num_speculative_steps=K,
-        device=torch.device("cpu"),
-        max_num_reqs=R_MAX,
-        max_num_batched_tokens=64,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        num_computed_tokens_np=np.full(R_MAX, 100, dtype=np.int32),
-        prefill_len=SimpleNamespace(np=np.full(R_MAX, 10, dtype=np.int32)),
-    )
+    return mrv2_req_states(ids, K, R_MAX)
 
 
 def _cost():

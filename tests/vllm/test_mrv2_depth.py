@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_av.core.cost_model import CostModel  # noqa: E402
+from conftest import mrv2_req_states  # noqa: E402
 from vllm_av.vllm.config import AVOptions  # noqa: E402
 from vllm_av.vllm.mrv1.scheduled_depth import local_verifier, register_local_verifier  # noqa: E402
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch  # noqa: E402
@@ -121,17 +121,8 @@ def test_failed_draft_restores_the_step_count():
 
 
 # ------------------------------------------------------------ the choice
-def _req_states(ids):
-    return SimpleNamespace(
-        num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=R_MAX,
-        max_num_batched_tokens=64, req_id_to_index={r: i for i, r in enumerate(ids)},
-        num_computed_tokens_np=np.full(R_MAX, 100, dtype=np.int32),
-        prefill_len=SimpleNamespace(np=np.full(R_MAX, 10, dtype=np.int32)),
-    )
-
-
 def _manager(ids, draft_ms, tmp_path, scheduled_depth=True):
-    m = AVManager(_req_states(ids), torch.zeros(R_MAX + 1, dtype=torch.int32),
+    m = AVManager(mrv2_req_states(ids, K, R_MAX), torch.zeros(R_MAX + 1, dtype=torch.int32),
                   num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
                                     scheduled_depth=scheduled_depth))

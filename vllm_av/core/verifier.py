@@ -310,11 +310,11 @@ class AdaptiveVerifier:
         min_depth: a floor (the vLLM adapter drafts K when a request carries
             its own seed, so that its output depends on its seed alone).
         may_explore: False defers a due exploration step to the next step
-            that allows it, for at most one more interval (the vLLM adapter passes False while prompt
-            tokens are scheduled: a drafter skipped at depth 0 would run
-            over them at full depth, and on the H200 one such step on
-            Model Runner V2 held up a quarter of a wave's first tokens by
-            about a second).
+            that allows it, for at most one more interval. The vLLM adapter
+            passes False while prompt tokens are scheduled: a drafter
+            skipped at depth 0 would run over them at full depth, and on
+            the H200 one such step on Model Runner V2 held up a quarter of
+            a wave's first tokens by about a second.
 
         For each d the budget B_d is sized from the stale rows cut to depth
         d, with drafting charged at depth d (`CostModel.draft_cost_at_depth`),

@@ -186,7 +186,6 @@ def route_mrv2(vllm_config) -> None:
                        ", ".join(f"VLLM_AV_{n.upper()}" for n in ignored))
 
 
-
 class RouteAdaptiveVerificationPatch(VllmPatch):
     """Serve `enable_adaptive_verification` with vllm-av (Model Runner V1; V2 on CUDA).
 

@@ -62,7 +62,7 @@ class DepthFromVerifier:
         for r in self.scheduler.running:
             # Prompt tokens in this step: a chunk of a long prompt, a new or
             # resumed request (its computed tokens still short of its prompt).
-            prompt = prompt or r.is_prefill_chunk or _prompt_pending(r)
+            prompt = prompt or r.is_prefill_chunk or r.num_computed_tokens < r.num_prompt_tokens
             if not r.is_prefill_chunk:
                 decoding.append(r.request_id)
                 # A request with its own seed is verified in full (as in the
@@ -75,12 +75,6 @@ class DepthFromVerifier:
             decoding, num_sampling=n, num_other_tokens=n, min_depth=K if seeded else 0,
             may_explore=not prompt,
         )
-
-
-def _prompt_pending(request) -> bool:
-    computed = getattr(request, "num_computed_tokens", None)
-    prompt = getattr(request, "num_prompt_tokens", None)
-    return computed is not None and prompt is not None and computed < prompt
 
 
 class ScheduledDepthPatch(VllmPatch):

@@ -48,6 +48,8 @@ from vllm_av.core.cost_model import CostModel
 from vllm_av.core.selector import compiled_select_admitted, select_admitted
 from vllm_av.core.survival import survival
 from vllm_av.vllm.config import AVOptions
+from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
+from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
 
 logger = logging.getLogger("vllm.vllm_av")
 
@@ -173,6 +175,8 @@ class AVManager:
         self.depth = None
         self._prior_cache: tuple | None = None
         self._ticks = 0  # metric snapshots: one per metrics_interval ticks
+        # The estimator told which steps carry labels (adaptive depth only).
+        self._labelled = None
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_idx: int) -> None:
@@ -258,8 +262,6 @@ class AVManager:
     def record_confidences(self, confidence_probs: torch.Tensor, input_batch) -> None:
         """This step's confidences [>= num_reqs, K] by batch row: keep them
         for the next step's selection and start their copy to the host."""
-        from vllm_av.vllm.mrv2.depth import drafter_skipped
-
         if drafter_skipped():
             # Depth 0: nothing drafted. Waiting here for the last copy would
             # hold the host to the device every plain step.
@@ -368,12 +370,9 @@ class AVManager:
         """Adaptive depth (options.scheduled_depth): depth 0 skips the
         drafter on V2 (MRV2DraftDepthPatch), so it is priced free; the
         scheduler finds this manager as its process's verifier."""
-        from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
-        from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy
-
         self.cost.free_zero_depth = True
         self.depth = MRV2DepthPolicy(self)
-        est = self._estimator()
+        self._labelled = est = self._estimator()
         if est is not None:
             est.observe_only_verified_steps()
         register_local_verifier(self)
@@ -407,9 +406,8 @@ class AVManager:
             num_drafting_reqs=n, cost=self.cost, max_budget=min(num_drafts, max(0, room)),
         )
         self._batch = ({r: i for i, r in enumerate(req_ids)}, drafts, non_draft, budget)
-        est = self._estimator()
-        if est is not None:
-            est.verifying = True  # this step verifies drafts: its outcomes are labels
+        if self._labelled is not None:
+            self._labelled.verifying = True  # this step verifies drafts: its outcomes are labels
         st = self.stats
         st.num_steps += 1
         st.drafted += num_drafts
