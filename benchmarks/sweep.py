@@ -139,12 +139,23 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # Fixed K pinned to Model Runner V1, the runner our AV uses: tells
         # the runner's share of a difference from the AV's.
         return Arm(name, family, "fixed", int(base[1:-2]), pinned_v1)
-    if base == "ours_v2":
-        # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU).
+    # Model Runner V2's draft-model forwards in our FULL CUDA graphs
+    # (vllm_av/vllm/mrv2/drafter_graphs.py; plain vLLM runs them eagerly).
+    drafter_graphs = (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"),
+                      ("VLLM_AV_DRAFTER_GRAPHS", "1"))
+    if re.fullmatch(r"k\d+g", base):
+        # Fixed K on V2 with the drafter in graphs (no AV): what drafting
+        # costs there once it is launched as graphs.
+        return Arm(name, family, "fixed", int(base[1:-1]), drafter_graphs)
+    if base in ("ours_v2", "ours_v2g"):
+        # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU);
+        # ours_v2g: with the drafter in graphs.
         if family == "ngram":
-            raise ValueError("ngram_ours_v2: vLLM 0.32's Model Runner V2 builds no AV "
+            raise ValueError(f"ngram_{base}: vLLM 0.32's Model Runner V2 builds no AV "
                              "manager for ngram, so vllm-av refuses it there; use ngram_ours")
-        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
+        env = drafter_graphs if base == "ours_v2g" else (("VLLM_AV_IMPL", "ours"),
+                                                         ("VLLM_AV_MRV2", "1"))
+        return Arm(name, family, "ours", av_k, env)
     if base == "ours":
         # Our AV on Model Runner V1 (the only runner on CPU) with synchronous
         # scheduling and per-slot trimming (the default before the tenth
@@ -183,7 +194,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"vllm_av, ours, ours_async, ours_async_plain, ours_async_skipmeta, "
+                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
                      f"ngram_k<N>, ngram_ours")
 

@@ -160,7 +160,7 @@ main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2
+    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
@@ -202,7 +202,8 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   # V2 (where a depth-0 step of ours_v2 loses to V2's plain step; BREAKDOWN=0
   # skips, BREAKDOWN_ARMS= overrides); then ARMS3 greedy-only at 512
   # tokens into h200_full_c (default K=5, K=7: the twelfth round's missing
-  # greedy cells; empty skips), for `sweep.py combine`.
+  # greedy cells; empty skips), for `sweep.py combine` (RUN3, CONC3 and
+  # ARMS3_FLAGS override its folder, concurrencies and greedy-only flag).
   # Optional: LOSSLESS=1 the distribution test, MRV2=1 the MRV2 smoke test,
   # REPLICA=1 GPU 1 benches GPU 0's arms first (h200_sweep_replica).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
@@ -217,7 +218,8 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
         BREAKDOWN_ARMS=${BREAKDOWN_ARMS:-ours_v2 nospec} breakdown 1
     fi
     ARMS3=${ARMS3-k5v1,k7v1}
-    [[ -n $ARMS3 ]] && OUTPUT_LEN=512 RUN=h200_full_c sweep "$ARMS3" --greedy-only --quiet-start none
+    [[ -n $ARMS3 ]] && OUTPUT_LEN=512 RUN=${RUN3:-h200_full_c} CONC=${CONC3:-${CONC:-}} \
+      sweep "$ARMS3" ${ARMS3_FLAGS---greedy-only} --quiet-start none
   ) &
   LANE1=$!
   OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \

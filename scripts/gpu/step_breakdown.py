@@ -20,7 +20,8 @@ holds per-phase mean ms per call and calls.
 Arms: nospec, nospecv1 (no speculation on Model Runner V1), kN (fixed K on
 vLLM's default runner, V2 on GPU), kNv1 (fixed K on Model Runner V1), ours
 (our AV at K=7 on V1), ours_v2 (ours inside Model Runner V2), vllm_av
-(vLLM's AV at K=7 on V2).
+(vLLM's AV at K=7 on V2); kNg and ours_v2g: with V2's draft model in our
+FULL graphs (VLLM_AV_DRAFTER_GRAPHS=1).
 `--async-scheduling` serves any arm with async scheduling;
 `--torch-profile PATH` adds a torch.profiler op table of one batch.
 """
@@ -105,14 +106,18 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         if arm == "ours_skipmeta":
             env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA"] = "1"
         return spec, env
-    if arm == "ours_v2":
+    # The V2 drafter's forwards in our FULL graphs (vllm_av/vllm/mrv2/drafter_graphs.py).
+    graphs = {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_DRAFTER_GRAPHS": "1"}
+    if arm in ("ours_v2", "ours_v2g"):
         # Our AV inside Model Runner V2 (adaptive depth: the drafter skipped at depth 0).
-        return av_spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
-    m = re.fullmatch(r"k(\d+)(v1)?", arm)
+        return av_spec, (graphs if arm == "ours_v2g" else {"VLLM_AV_IMPL": "ours",
+                                                           "VLLM_AV_MRV2": "1"})
+    m = re.fullmatch(r"k(\d+)(v1|g)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m.group(1))}
-    return spec, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if m.group(2) else {})
+    env = {"v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "g": graphs}.get(m.group(2) or "", {})
+    return spec, env
 
 
 def main() -> None:

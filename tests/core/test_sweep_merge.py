@@ -104,6 +104,13 @@ def test_arms_build_the_documented_speculative_configs():
     assert dict(sweep.make_arm("ours_v2").env) == {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
     with pytest.raises(ValueError, match="no AV"):
         sweep.make_arm("ngram_ours_v2")  # refused by vllm-av on Model Runner V2
+    # The V2 drafter in our FULL graphs: fixed K without AV, and ours.
+    graphs_env = {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_DRAFTER_GRAPHS": "1"}
+    k3g = sweep.make_arm("k3g")
+    assert k3g.role == "fixed" and dict(k3g.env) == graphs_env
+    assert k3g.speculative_config("D") == sweep.make_arm("k3").speculative_config("D")
+    ours_v2g = sweep.make_arm("ours_v2g")
+    assert ours_v2g.role == "ours" and dict(ours_v2g.env) == graphs_env
     # GPU baselines run plain vLLM (plugin off); CPU ones keep the plugin's
     # sampling fix.
     assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {

@@ -69,6 +69,12 @@ RUN_ENGINE = textwrap.dedent(
             .worker.model_runner
         catch_up = getattr(runner, "_vllm_av_catch_up", None)
         counts["catch_up_tokens"] = catch_up.tokens_total if catch_up else 0
+    if cfg.get("probe_drafter_graphs"):
+        # How many draft forwards replayed our graphs (in-process engine).
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \\
+            .worker.model_runner
+        graphs = getattr(runner.speculator, "_vllm_av_graphs", None)
+        counts["drafter_graph_replays"] = graphs.replays if graphs else 0
     print("COUNTS " + json.dumps(counts))
     print("RESULT " + json.dumps(outs))
     """
@@ -76,12 +82,14 @@ RUN_ENGINE = textwrap.dedent(
 
 
 def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
-               llm_args: dict | None = None, alternate_depth: bool = False) -> list[list[int]]:
+               llm_args: dict | None = None, alternate_depth: bool = False,
+               probe_drafter_graphs: bool = False) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
-    if alternate_depth:
+    if alternate_depth or probe_drafter_graphs:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS,
-           "extra": llm_args or {}, "alternate_depth": alternate_depth}
+           "extra": llm_args or {}, "alternate_depth": alternate_depth,
+           "probe_drafter_graphs": probe_drafter_graphs}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -278,3 +286,39 @@ def test_adaptive_depth_on_model_runner_v2_as_served(plain_outputs, tmp_path):
     assert stats["depth_steps"] > 0, stats
     print(f"depth 0 on {stats['zero_depth_steps']} of {stats['depth_steps']} steps; "
           f"drafts {counts.get('num_draft_tokens', 0)}, accepted {counts.get('num_accepted_tokens', 0)}")
+
+DRAFTER_GRAPHS_ENV = {"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1",
+                      "VLLM_AV_MRV2": "1"}
+
+
+@pytest.fixture(scope="module")
+def v2_fixed_k_drafters(plain_outputs):
+    """Fixed K=3 on Model Runner V2, the draft model run eagerly (vLLM 0.32
+    as shipped) and in our FULL graphs (VLLM_AV_DRAFTER_GRAPHS=1), greedy."""
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3}
+    runs = {}
+    for label, on in (("eager", "0"), ("graphs", "1")):
+        counts: dict = {}
+        outs = run_engine(spec, eager=False, counts=counts, probe_drafter_graphs=True,
+                          env_extra={**DRAFTER_GRAPHS_ENV, "VLLM_AV_DRAFTER_GRAPHS": on})
+        assert_agrees(outs, plain_outputs, f"K=3 on V2, drafter {label}", counts)
+        runs[label] = counts
+    return runs
+
+
+def test_drafter_graphs_on_model_runner_v2_keep_outputs_and_acceptance(v2_fixed_k_drafters):
+    """The drafter's forwards replayed from our graphs (the control, run
+    eagerly, replayed none) propose what the eager drafter proposes: greedy
+    outputs agree with no speculation either way (the fixture), and the
+    graphs' drafts are accepted as often as the eager drafter's, within
+    0.05. Drafts computed from wrong inputs or stale attention metadata
+    would still decode losslessly, so acceptance is what catches them."""
+    eager, graphs = v2_fixed_k_drafters["eager"], v2_fixed_k_drafters["graphs"]
+
+    def acceptance(c):
+        return c["num_accepted_tokens"] / c["num_draft_tokens"]
+
+    print(f"acceptance eager {acceptance(eager):.3f}, graphs {acceptance(graphs):.3f}; "
+          f"graph replays {graphs['drafter_graph_replays']}")
+    assert eager["drafter_graph_replays"] == 0 < graphs["drafter_graph_replays"]
+    assert acceptance(graphs) >= acceptance(eager) - 0.05

@@ -17,6 +17,7 @@ import logging
 
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
+from vllm_av.vllm.mrv2.drafter_graphs import MRV2DrafterGraphsPatch
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
 from vllm_av.vllm.patching import VllmPatch
@@ -123,7 +124,8 @@ class MRV2EstimatorPatch(VllmPatch):
     resolve_target = classmethod(_module_target)
 
 
-MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch]
+MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
+                MRV2DrafterGraphsPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:

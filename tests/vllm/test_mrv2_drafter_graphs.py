@@ -1,0 +1,154 @@
+"""The host side of our FULL graphs for Model Runner V2's draft model
+(vllm_av/vllm/mrv2/drafter_graphs.py): which graphs are captured, which one
+a batch replays, the dummy layout a graph is captured on, and when the
+drafter runs eagerly instead. The graphs themselves run on the GPU
+(tests/gpu/test_gpu_av.py: outputs and acceptance against the eager
+drafter)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_av.vllm.mrv2 import drafter_graphs as dg
+from vllm_av.vllm.mrv2.drafter_graphs import (
+    DrafterGraphs,
+    GraphShape,
+    MRV2DrafterGraphsPatch,
+    capture_query_lens,
+    decode_shapes,
+    drafter_graphs_on,
+    pick_shape,
+    prefill_shapes,
+)
+
+SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512]
+K = 7
+
+
+def test_switch_is_off_unless_asked_for():
+    assert not drafter_graphs_on({})
+    assert drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "1"})
+    assert not drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "0"})
+
+
+def test_shapes_cover_the_capture_sizes_within_the_limits():
+    pre = prefill_shapes(SIZES, max_num_reqs=64, max_tokens=256)
+    assert [s.num_tokens for s in pre] == [2, 4, 8, 16, 24, 32, 48, 64, 128, 256]
+    # Two tokens at least per request of the expanded batch, and no more
+    # requests than the engine serves.
+    assert [s.num_reqs for s in pre] == [1, 2, 4, 8, 12, 16, 24, 32, 64, 64]
+    dec = decode_shapes(SIZES, max_num_reqs=64)
+    assert [(s.num_tokens, s.num_reqs) for s in dec] == [
+        (1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (24, 24), (32, 32), (48, 48), (64, 64)]
+
+
+def test_a_batch_replays_the_smallest_graph_that_holds_it():
+    pre = prefill_shapes(SIZES, max_num_reqs=64, max_tokens=512)
+    assert pick_shape(pre, 9, 1) == GraphShape("prefill", 16, 8)
+    assert pick_shape(pre, 16, 8) == GraphShape("prefill", 16, 8)
+    assert pick_shape(pre, 17, 2) == GraphShape("prefill", 24, 12)
+    assert pick_shape(pre, 513, 1) is None
+    # More requests than a size holds: the next size that holds them.
+    shapes = [GraphShape("prefill", 8, 2), GraphShape("prefill", 16, 8)]
+    assert pick_shape(shapes, 6, 3) == GraphShape("prefill", 16, 8)
+    assert pick_shape(shapes, 6, 9) is None
+
+
+def test_prompt_chunks_and_oversized_batches_fit_no_graph():
+    graphs = DrafterGraphs(kv_cache_config=object(), max_query_len=K + 1,
+                           prefill=prefill_shapes(SIZES, 256, 512),
+                           decode=decode_shapes(SIZES, 256))
+    assert graphs.prefill_shape(10, 2, K + 1) is not None
+    assert graphs.prefill_shape(40, 2, K + 2) is None  # a prompt chunk
+    assert graphs.prefill_shape(600, 60, 4) is None
+    assert graphs.decode_shape(200) == GraphShape("decode", 256, 256)
+    assert graphs.decode_shape(257) is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_capture_layout_is_as_long_as_any_batch_the_graph_replays(seed):
+    """FA3 bakes the longest query of the captured batch into the graph:
+    every batch a prefill graph can be picked for (requests of 2..K+2
+    expanded tokens) must have no longer query than the captured layout's
+    first one, and the layout must fit the graph."""
+    rng = np.random.default_rng(seed)
+    shapes = prefill_shapes(SIZES, max_num_reqs=256, max_tokens=512)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        lens = rng.integers(2, K + 3, size=n)
+        shape = pick_shape(shapes, int(lens.sum()), n)
+        if shape is None:
+            continue
+        captured = capture_query_lens(shape, K + 2)
+        assert captured[0] >= lens.max()
+        assert captured.sum() <= shape.num_tokens and len(captured) == shape.num_reqs
+        assert (captured >= 0).all()
+
+
+def test_decode_capture_layout_is_one_token_per_request():
+    assert capture_query_lens(GraphShape("decode", 8, 8), 1).tolist() == [1] * 8
+
+
+class _Spec:
+    """A stand-in speculator: the patch's methods over recording originals."""
+
+    _prefill = MRV2DrafterGraphsPatch._prefill
+    _multi_step_decode = MRV2DrafterGraphsPatch._multi_step_decode
+
+    def __init__(self, graphs=None, kv=None):
+        self.kv_cache_config = kv
+        self._vllm_av_graphs = graphs
+        self.num_speculative_steps = K
+        self.calls = []
+
+    def _orig__prefill(self, *args):
+        self.calls.append("eager prefill")
+
+    def _orig__multi_step_decode(self, *args):
+        self.calls.append("eager decode")
+
+
+class _Batch:
+    def __init__(self, query_lens):
+        self.query_start_loc_np = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        self.num_tokens = int(sum(query_lens))
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dg, "_replay_prefill", lambda spec, g, shape, *a: seen.append(shape))
+    monkeypatch.setattr(dg, "_replay_decode", lambda spec, g, shape, *a: seen.append(shape))
+    return seen
+
+
+def _graphs(kv):
+    return DrafterGraphs(kv_cache_config=kv, max_query_len=K + 1,
+                         prefill=prefill_shapes(SIZES, 256, 512), decode=decode_shapes(SIZES, 256))
+
+
+def test_fitting_batches_replay_graphs(replays):
+    kv = object()
+    spec = _Spec(_graphs(kv), kv)
+    spec._prefill(_Batch([8, 8, 1]), None, None, 3, False, None)
+    spec._multi_step_decode(_Batch([8, 8, 1]), None, 3, False, None)
+    assert spec.calls == []
+    assert replays == [GraphShape("prefill", 24, 12), GraphShape("decode", 4, 4)]
+
+
+@pytest.mark.parametrize("case", ["no graphs", "stale kv cache", "prompt chunk", "skip attn",
+                                  "data parallel"])
+def test_other_batches_run_the_eager_drafter(replays, case):
+    kv = object()
+    spec = _Spec(None if case == "no graphs" else _graphs(kv),
+                 object() if case == "stale kv cache" else kv)
+    lens = [40, 1] if case == "prompt chunk" else [4, 4]
+    skip = case == "skip attn"
+    dp = object() if case == "data parallel" else None
+    spec._prefill(_Batch(lens), None, None, 2, skip, dp)
+    if case != "prompt chunk":
+        spec._multi_step_decode(_Batch(lens), None, 2, skip, dp)
+    assert replays == []
+    assert spec.calls == (["eager prefill"] if case == "prompt chunk"
+                          else ["eager prefill", "eager decode"])

@@ -1,0 +1,369 @@
+"""FULL CUDA graphs for Model Runner V2's draft-model drafter.
+
+vLLM 0.32's V2 draft-model speculator (StandaloneARSpeculator) runs every
+draft forward eagerly: its `init_cudagraph_manager` and `capture` are
+empty, and `_run_model` always passes CUDAGraphMode.NONE. Each forward of
+the torch-compiled draft model then launches its few hundred kernels one
+by one from Python. On the H200 a drafting step of K=7 was priced at
+108-170 ms against a 1.9 ms target step (thirteenth round), and fixed K on
+V2 reached 35-110 tok/s at one request against 425 without speculation
+(seventh round): no verification budget can pay for that.
+
+`MRV2DrafterGraphsPatch` captures the draft model's forward in FULL graphs
+at start-up (after the target's graphs, where V2 captures a speculator's)
+and replays them when the batch fits:
+
+  prefill graphs  the drafter's first forward over the expanded batch
+                  (accepted tokens + correction token per request, at most
+                  K + 2 tokens each), one graph per capture size N, for up
+                  to N // 2 requests (each has at least two tokens);
+  decode graphs   the following one-token-per-request forwards, one graph
+                  per capture size N <= max_num_seqs, for up to N requests.
+
+Only the model forward is in the graph; the draft sampling after it runs as
+before. The attention metadata is built each step by the drafter's own
+builders with a FULL batch descriptor, which keeps it in the persistent
+buffers the graph reads (query_start_loc, seq_lens, block tables, slot
+mappings, FA3's scheduler metadata). Padded tokens get PAD slots (no KV
+write) and padded requests zero-length queries. Batches that do not fit
+(prompt chunks longer than K + 1, more tokens than the largest graph, data
+parallelism, dummy runs without attention) run eagerly as before.
+
+Nothing here reads a drafted token to decide anything; graphs change how
+the drafter's forwards are launched, not what they compute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_av.vllm.config import _switch_on
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+ENV_DRAFTER_GRAPHS = "VLLM_AV_DRAFTER_GRAPHS"
+
+
+def drafter_graphs_on(env=None) -> bool:
+    return _switch_on(ENV_DRAFTER_GRAPHS, env)
+
+
+# ------------------------------------------------------------ graph shapes
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """One captured graph: `kind` "prefill" or "decode", `num_tokens` (the
+    padded token count) and `num_reqs` (the padded request count)."""
+
+    kind: str
+    num_tokens: int
+    num_reqs: int
+
+
+def prefill_shapes(capture_sizes, max_num_reqs: int, max_tokens: int) -> list[GraphShape]:
+    """Prefill graphs: every capture size up to `max_tokens`; a request of
+    the expanded batch has at least two tokens, so N tokens hold at most
+    N // 2 requests."""
+    return [GraphShape("prefill", n, max(1, min(n // 2, max_num_reqs)))
+            for n in sorted(set(capture_sizes)) if 2 <= n <= max_tokens]
+
+
+def decode_shapes(capture_sizes, max_num_reqs: int) -> list[GraphShape]:
+    """Decode graphs: one token per request, so N tokens are N requests."""
+    return [GraphShape("decode", n, n) for n in sorted(set(capture_sizes)) if n <= max_num_reqs]
+
+
+def pick_shape(shapes: list[GraphShape], num_tokens: int, num_reqs: int) -> GraphShape | None:
+    """The smallest captured shape that holds the batch (shapes sorted by
+    num_tokens), or None."""
+    i = bisect.bisect_left([s.num_tokens for s in shapes], num_tokens)
+    for shape in shapes[i:]:
+        if shape.num_reqs >= num_reqs:
+            return shape
+    return None
+
+
+def capture_query_lens(shape: GraphShape, max_query_len: int) -> np.ndarray:
+    """Per-request query lengths of the dummy batch a graph is captured on:
+    the first request as long as any replayed request can be (FA3 bakes the
+    longest query into the graph), then one token each while tokens last,
+    then empty requests (as padded requests are when replayed)."""
+    lens = np.zeros(shape.num_reqs, dtype=np.int32)
+    first = min(max_query_len, shape.num_tokens)
+    lens[0] = first
+    rest = min(shape.num_reqs - 1, shape.num_tokens - first)
+    lens[1:1 + rest] = 1
+    return lens
+
+
+@dataclass
+class DrafterGraphs:
+    """The captured graphs of one drafter and their output buffers, tied to
+    the KV cache configuration they were captured against."""
+
+    kv_cache_config: object
+    # Longest scheduled query a prefill graph takes: K + 1 (K drafts and
+    # the bonus token; the expanded batch adds the correction token).
+    max_query_len: int = 1
+    prefill: list[GraphShape] = field(default_factory=list)
+    decode: list[GraphShape] = field(default_factory=list)
+    graphs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    replays: int = 0
+
+    def prefill_shape(self, num_tokens: int, num_reqs: int,
+                      max_query_len: int) -> GraphShape | None:
+        if max_query_len > self.max_query_len:
+            return None  # a prompt chunk: longer than any graph was captured for
+        return pick_shape(self.prefill, num_tokens, num_reqs)
+
+    def decode_shape(self, num_reqs: int) -> GraphShape | None:
+        return pick_shape(self.decode, num_reqs, num_reqs)
+
+    def replay(self, shape: GraphShape):
+        self.graphs[shape].replay()
+        self.replays += 1
+        return self.outputs[shape]
+
+
+# ------------------------------------------------------------ the patch
+
+
+def _graphs_for(speculator) -> DrafterGraphs | None:
+    """The speculator's graphs, if captured against its current KV cache
+    (V2 captures once against a throwaway cache while profiling memory)."""
+    graphs = getattr(speculator, "_vllm_av_graphs", None)
+    if graphs is None or graphs.kv_cache_config is not getattr(speculator, "kv_cache_config", None):
+        return None
+    return graphs
+
+
+def _full_desc(shape: GraphShape, uniform: bool):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    return BatchExecutionDescriptor(
+        cg_mode=CUDAGraphMode.FULL, num_tokens=shape.num_tokens, num_reqs=shape.num_reqs,
+        uniform_token_count=1 if uniform else None)
+
+
+class MRV2DrafterGraphsPatch(VllmPatch):
+    """FULL CUDA graphs for Model Runner V2's draft-model forwards.
+
+    Target: vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.init_cudagraph_manager, capture, _prefill, _multi_step_decode
+    Why: vLLM 0.32's V2 draft-model speculator captures no CUDA graph
+        ("CUDA graph not yet supported for standalone AR speculator") and
+        runs each draft forward eagerly; on the H200 a K=7 drafting step was
+        profiled at 108-170 ms against a 1.9 ms target step, so no drafting
+        depth could ever pay there.
+    How: with VLLM_AV_DRAFTER_GRAPHS=1, `capture` (called by the runner
+        after the target's graphs) captures the draft model's forward in
+        FULL graphs over the capture sizes, for the first draft forward
+        (the expanded batch, up to K + 2 tokens per request) and for the
+        one-token decode forwards; `_prefill` and `_multi_step_decode` build
+        the step's attention metadata with a FULL descriptor (same
+        persistent buffers) and replay the graph of the smallest fitting
+        size, padding query_start_loc for the padded requests. Batches that
+        fit no graph, dummy runs without attention and data parallelism run
+        the originals. `init_cudagraph_manager` drops graphs captured
+        against an earlier KV cache.
+    Upstream: CUDA graph support in StandaloneARSpeculator, as its EAGLE
+        sibling (TargetDependentARSpeculator) has.
+    Remove when: vLLM's V2 draft-model speculator captures its forwards.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
+    attributes = ("init_cudagraph_manager", "capture", "_prefill", "_multi_step_decode")
+    platforms = ("cuda",)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        type(self)._orig_init_cudagraph_manager(self, cudagraph_mode)
+        self._vllm_av_graphs = None
+        self._vllm_av_cg_full = bool(cudagraph_mode.has_full_cudagraphs())
+
+    def capture(self) -> None:
+        type(self)._orig_capture(self)
+        self._vllm_av_graphs = None
+        if not drafter_graphs_on() or not getattr(self, "_vllm_av_cg_full", False):
+            return
+        _capture(self)
+
+    def _prefill(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
+                 num_tokens_across_dp):
+        orig = type(self)._orig__prefill
+        graphs = _graphs_for(self)
+        if graphs is None or skip_attn or num_tokens_across_dp is not None:
+            return orig(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
+                        num_tokens_across_dp)
+        qsl_np = input_batch.query_start_loc_np
+        max_query_len = int((qsl_np[1:num_reqs + 1] - qsl_np[:num_reqs]).max())
+        shape = graphs.prefill_shape(input_batch.num_tokens + num_reqs, num_reqs, max_query_len)
+        if shape is None:
+            return orig(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
+                        num_tokens_across_dp)
+        _replay_prefill(self, graphs, shape, input_batch, num_rejected, last_sampled, num_reqs)
+
+    def _multi_step_decode(self, input_batch, num_rejected, num_reqs, skip_attn,
+                           num_tokens_across_dp):
+        orig = type(self)._orig__multi_step_decode
+        graphs = _graphs_for(self)
+        shape = graphs.decode_shape(num_reqs) if graphs is not None else None
+        if shape is None or skip_attn or num_tokens_across_dp is not None:
+            return orig(self, input_batch, num_rejected, num_reqs, skip_attn,
+                        num_tokens_across_dp)
+        _replay_decode(self, graphs, shape, input_batch, num_rejected, num_reqs)
+
+
+# ------------------------------------------------------------ capture
+
+
+def _capture(spec) -> None:
+    import torch
+
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+    config = spec.vllm_config.compilation_config
+    sizes = config.cudagraph_capture_sizes or []
+    K = spec.num_speculative_steps
+    max_prefill_tokens = min(max(sizes, default=0), spec.max_num_reqs * (K + 2),
+                             spec.expanded_input_ids.shape[0])
+    graphs = DrafterGraphs(
+        kv_cache_config=spec.kv_cache_config,
+        max_query_len=K + 1,
+        prefill=prefill_shapes(sizes, spec.max_num_reqs, max_prefill_tokens),
+        decode=decode_shapes(sizes, spec.max_num_reqs) if K > 1 else [],
+    )
+    t0 = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        spec.last_token_indices.zero_()
+        spec.idx_mapping.zero_()
+        # Largest first: later, smaller graphs reuse the pool's blocks.
+        for shape in sorted(graphs.prefill + graphs.decode, key=lambda s: -s.num_tokens):
+            max_query_len = K + 2 if shape.kind == "prefill" else 1
+            # Warm-up (lazy allocations, autotuning) outside the graph, then
+            # capture with freshly built metadata.
+            _dummy_forward(spec, shape, max_query_len, PAD_SLOT_ID)()
+            run = _dummy_forward(spec, shape, max_query_len, PAD_SLOT_ID)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run()
+            graphs.graphs[shape] = graph
+            graphs.outputs[shape] = out
+    torch.cuda.synchronize()
+    spec._vllm_av_graphs = graphs
+    logger.info("vllm-av: draft model forwards in FULL CUDA graphs: %d prefill sizes (<= %d "
+                "tokens), %d decode sizes (<= %d requests), captured in %.1f s",
+                len(graphs.prefill), max((s.num_tokens for s in graphs.prefill), default=0),
+                len(graphs.decode), max((s.num_reqs for s in graphs.decode), default=0),
+                time.perf_counter() - t0)
+
+
+def _dummy_forward(spec, shape: GraphShape, max_query_len: int, pad_slot: int):
+    """The forward a graph of `shape` records, over a dummy batch laid out by
+    capture_query_lens, reading the buffers the replays will fill."""
+    import torch
+
+    from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+
+    lens = capture_query_lens(shape, max_query_len)
+    qsl = np.zeros(shape.num_reqs + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    bufs = spec.input_buffers
+    bufs.query_start_loc[: shape.num_reqs + 1].copy_(torch.from_numpy(qsl))
+    bufs.seq_lens[: shape.num_reqs].copy_(torch.from_numpy(lens))
+    spec.block_tables.get_dummy_block_tables(shape.num_reqs)
+    if shape.kind == "prefill":
+        spec.expanded_slot_mappings.fill_(pad_slot)
+        slots = spec.expanded_slot_mappings[:, : shape.num_tokens]
+        input_ids = spec.expanded_input_ids[: shape.num_tokens]
+        positions = spec.expanded_positions[: shape.num_tokens]
+    else:
+        slots = spec.block_tables.get_dummy_slot_mappings(shape.num_tokens)
+        input_ids = bufs.input_ids[: shape.num_tokens]
+        positions = bufs.positions[: shape.num_tokens]
+    attn_metadata = spec._build_attn_metadata(
+        num_reqs=shape.num_reqs, batch_desc=_full_desc(shape, shape.kind == "decode"),
+        query_start_loc_np=qsl, seq_lens_cpu_upper_bound=torch.from_numpy(lens.copy()),
+        step=0, slot_mappings=slots)
+    slots_by_layer = build_slot_mappings_by_layer(slots, spec.kv_cache_config)
+
+    def run():
+        return spec._run_model(input_ids, positions, attn_metadata, slots_by_layer, None)
+
+    return run
+
+
+# ------------------------------------------------------------ replay
+
+
+def _replay_prefill(spec, graphs, shape, input_batch, num_rejected, last_sampled, num_reqs):
+    """vLLM's eager `_prefill` (attention path), with the forward replayed."""
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import prepare_prefill_inputs
+
+    total = prepare_prefill_inputs(
+        input_buffers=spec.input_buffers, input_batch=input_batch, last_sampled=last_sampled,
+        num_rejected=num_rejected, expanded_input_ids=spec.expanded_input_ids,
+        expanded_positions=spec.expanded_positions, last_token_indices=spec.last_token_indices,
+        max_num_reqs=spec.max_num_reqs, max_model_len=spec.max_model_len)
+    # Slots for every token of the graph: the kernel pads past `total` with PAD.
+    slots = spec.block_tables.compute_slot_mappings(
+        input_batch.idx_mapping, spec.input_buffers.query_start_loc[: num_reqs + 1],
+        spec.expanded_positions, shape.num_tokens, out=spec.expanded_slot_mappings)
+    qsl_np = input_batch.query_start_loc_np[: num_reqs + 1] + spec.arange_np[: num_reqs + 1]
+    spec._build_attn_metadata(
+        num_reqs=num_reqs, batch_desc=_full_desc(shape, uniform=False),
+        query_start_loc_np=qsl_np, seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound,
+        step=0, slot_mappings=slots)
+    hidden_states = graphs.replay(shape)[:total]
+    last_indices = spec.last_token_indices[:num_reqs]
+    spec.current_draft_step.fill_(0)
+    spec.draft_tokens[:num_reqs, 0] = spec.sample_draft(
+        hidden_states[last_indices], spec.expanded_positions[last_indices],
+        spec.idx_mapping[:num_reqs], spec.temperature, spec.seeds, spec.current_draft_step,
+        spec.draft_logits)
+
+
+def _replay_decode(spec, graphs, shape, input_batch, num_rejected, num_reqs):
+    """vLLM's eager `_multi_step_decode` (attention path), with each forward
+    replayed; padded requests get empty queries."""
+    import torch
+
+    bufs = spec.input_buffers
+    last_positions = spec.expanded_positions[spec.last_token_indices[:num_reqs]]
+    bufs.positions[:num_reqs].copy_(last_positions)
+    bufs.seq_lens[:num_reqs].copy_(torch.clamp(
+        input_batch.seq_lens[:num_reqs] - num_rejected[:num_reqs].int() + 1,
+        max=spec.max_model_len))
+    bufs.query_start_loc[: num_reqs + 1].copy_(spec.arange_gpu[: num_reqs + 1])
+    # Padded requests: empty queries (and zero seq_lens, left by the prefill kernel).
+    bufs.query_start_loc[num_reqs + 1: shape.num_reqs + 1].fill_(num_reqs)
+    idx_mapping = input_batch.idx_mapping
+    desc = _full_desc(shape, uniform=True)
+    for step in range(1, spec.num_speculative_steps):
+        bufs.input_ids[:num_reqs].copy_(spec.draft_tokens[:num_reqs, step - 1].int())
+        torch.clamp(bufs.positions[:num_reqs] + 1, max=spec.max_model_len - 1,
+                    out=bufs.positions[:num_reqs])
+        torch.clamp(bufs.seq_lens[:num_reqs] + 1, max=spec.max_model_len,
+                    out=bufs.seq_lens[:num_reqs])
+        # Writes the persistent slot mappings the graph reads, PAD past num_reqs.
+        spec.block_tables.compute_slot_mappings(
+            idx_mapping, bufs.query_start_loc[: num_reqs + 1], bufs.positions[:num_reqs],
+            shape.num_tokens)
+        spec._build_uniform_attn_metadata(
+            batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
+            seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound, step=step + 1)
+        hidden_states = graphs.replay(shape)[:num_reqs]
+        spec.current_draft_step.fill_(step)
+        spec.draft_tokens[:num_reqs, step] = spec.sample_draft(
+            hidden_states, bufs.positions[:num_reqs], spec.idx_mapping[:num_reqs],
+            spec.temperature, spec.seeds, spec.current_draft_step, spec.draft_logits)
+
