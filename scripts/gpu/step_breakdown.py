@@ -111,7 +111,8 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
     if arm in ("ours_v2", "ours_v2g"):
         # Our AV inside Model Runner V2 (adaptive depth: the drafter skipped at depth 0).
         return av_spec, (graphs if arm == "ours_v2g" else {"VLLM_AV_IMPL": "ours",
-                                                           "VLLM_AV_MRV2": "1"})
+                                                           "VLLM_AV_MRV2": "1",
+                                                           "VLLM_AV_DRAFTER_GRAPHS": "0"})
     m = re.fullmatch(r"k(\d+)(v1|g)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")

@@ -26,10 +26,12 @@ SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512]
 K = 7
 
 
-def test_switch_is_off_unless_asked_for():
-    assert not drafter_graphs_on({})
+def test_graphs_are_on_unless_switched_off():
+    assert drafter_graphs_on({})
     assert drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "1"})
     assert not drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "0"})
+    with pytest.raises(ValueError, match="VLLM_AV_DRAFTER_GRAPHS"):
+        drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "yes please"})
 
 
 def test_shapes_cover_the_capture_sizes_within_the_limits():

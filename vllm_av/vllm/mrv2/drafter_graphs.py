@@ -7,11 +7,14 @@ the torch-compiled draft model then launches its few hundred kernels one
 by one from Python. On the H200 a drafting step of K=7 was priced at
 108-170 ms against a 1.9 ms target step (thirteenth round), and fixed K on
 V2 reached 35-110 tok/s at one request against 425 without speculation
-(seventh round): no verification budget can pay for that.
+(seventh round): no verification budget can pay for that. With these graphs
+(fourteenth round) the K=7 step was profiled at 9.1 ms and fixed K=1
+reached 551 tok/s at one request against 486 without speculation.
 
-`MRV2DrafterGraphsPatch` captures the draft model's forward in FULL graphs
-at start-up (after the target's graphs, where V2 captures a speculator's)
-and replays them when the batch fits:
+`MRV2DrafterGraphsPatch` (on with our V2 path; VLLM_AV_DRAFTER_GRAPHS=0
+turns it off) captures the draft model's forward in FULL graphs at start-up
+(after the target's graphs, where V2 captures a speculator's) and replays
+them when the batch fits:
 
   prefill graphs  the drafter's first forward over the expanded batch
                   (accepted tokens + correction token per request, at most
@@ -37,12 +40,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_av.vllm.config import _switch_on
+from vllm_av.vllm.config import _parse_bool
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -51,7 +55,13 @@ ENV_DRAFTER_GRAPHS = "VLLM_AV_DRAFTER_GRAPHS"
 
 
 def drafter_graphs_on(env=None) -> bool:
-    return _switch_on(ENV_DRAFTER_GRAPHS, env)
+    """On unless VLLM_AV_DRAFTER_GRAPHS says off; a typo is an error."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_DRAFTER_GRAPHS, "1")
+    try:
+        return _parse_bool(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DRAFTER_GRAPHS}={raw!r}: use 1 or 0") from None
 
 
 # ------------------------------------------------------------ graph shapes
@@ -163,7 +173,7 @@ class MRV2DrafterGraphsPatch(VllmPatch):
         runs each draft forward eagerly; on the H200 a K=7 drafting step was
         profiled at 108-170 ms against a 1.9 ms target step, so no drafting
         depth could ever pay there.
-    How: with VLLM_AV_DRAFTER_GRAPHS=1, `capture` (called by the runner
+    How: unless VLLM_AV_DRAFTER_GRAPHS=0, `capture` (called by the runner
         after the target's graphs) captures the draft model's forward in
         FULL graphs over the capture sizes, for the first draft forward
         (the expanded batch, up to K + 2 tokens per request) and for the
