@@ -147,14 +147,20 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # Fixed K on V2 with the drafter in graphs (no AV): what drafting
         # costs there once it is launched as graphs.
         return Arm(name, family, "fixed", int(base[1:-1]), drafter_graphs)
+    if base == "ours_v2g_keepkv":
+        # ... and depth 0 runs the drafter's first forward (option
+        # zero_depth_skips_drafter off): no holes in the drafter's KV cache.
+        return Arm(name, family, "ours", av_k,
+                   drafter_graphs + (("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),))
     if base in ("ours_v2", "ours_v2g"):
-        # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU);
-        # ours_v2g: with the drafter in graphs.
+        # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU):
+        # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
+        # our graphs (the default of our V2 path).
         if family == "ngram":
             raise ValueError(f"ngram_{base}: vLLM 0.32's Model Runner V2 builds no AV "
                              "manager for ngram, so vllm-av refuses it there; use ngram_ours")
-        env = drafter_graphs if base == "ours_v2g" else (("VLLM_AV_IMPL", "ours"),
-                                                         ("VLLM_AV_MRV2", "1"))
+        env = drafter_graphs if base == "ours_v2g" else (
+            ("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"), ("VLLM_AV_DRAFTER_GRAPHS", "0"))
         return Arm(name, family, "ours", av_k, env)
     if base == "ours":
         # Our AV on Model Runner V1 (the only runner on CPU) with synchronous
@@ -194,7 +200,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_async, ours_async_plain, ours_async_skipmeta, "
+                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g_keepkv, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
                      f"ngram_k<N>, ngram_ours")
 

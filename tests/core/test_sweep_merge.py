@@ -101,7 +101,8 @@ def test_arms_build_the_documented_speculative_configs():
         "prompt_lookup_min": 2}
     ngram_ours = sweep.make_arm("ngram_ours", av_k=5).speculative_config("D")
     assert ngram_ours["num_speculative_tokens"] == 5 and ngram_ours["enable_adaptive_verification"]
-    assert dict(sweep.make_arm("ours_v2").env) == {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
+    assert dict(sweep.make_arm("ours_v2").env) == {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
+                                                   "VLLM_AV_DRAFTER_GRAPHS": "0"}
     with pytest.raises(ValueError, match="no AV"):
         sweep.make_arm("ngram_ours_v2")  # refused by vllm-av on Model Runner V2
     # The V2 drafter in our FULL graphs: fixed K without AV, and ours.
@@ -111,6 +112,8 @@ def test_arms_build_the_documented_speculative_configs():
     assert k3g.speculative_config("D") == sweep.make_arm("k3").speculative_config("D")
     ours_v2g = sweep.make_arm("ours_v2g")
     assert ours_v2g.role == "ours" and dict(ours_v2g.env) == graphs_env
+    assert dict(sweep.make_arm("ours_v2g_keepkv").env) == {
+        **graphs_env, "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"}
     # GPU baselines run plain vLLM (plugin off); CPU ones keep the plugin's
     # sampling fix.
     assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {

@@ -56,10 +56,11 @@ class _Drafter:
 
     propose = MRV2DraftDepthPatch.propose
 
-    def __init__(self, scheduled_depth=True, fail=False):
+    def __init__(self, scheduled_depth=True, fail=False, zero_depth_skips_drafter=True):
         self.num_speculative_steps = K
         self.vllm_config = SimpleNamespace(additional_config={
-            "vllm_av": AVOptions(scheduled_depth=scheduled_depth).to_dict()})
+            "vllm_av": AVOptions(scheduled_depth=scheduled_depth,
+                                 zero_depth_skips_drafter=zero_depth_skips_drafter).to_dict()})
         self.draft_tokens = torch.zeros(R_MAX, K, dtype=torch.int64)
         self.draft_token_confidence_probs = torch.full((R_MAX, K), 0.5)
         self.acceptance_estimator = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
@@ -92,6 +93,21 @@ def test_depth_zero_skips_the_drafter_and_says_so():
     assert not drafter_skipped()
 
 
+def test_depth_zero_keeping_the_drafter_kv_runs_its_first_forward_alone():
+    """Option zero_depth_skips_drafter off: depth 0 runs the drafter's first
+    forward (its KV cache stays whole), restores K, and still has nothing
+    to record (the runner masks the draft)."""
+    from vllm_av.vllm.mrv2.depth import drafter_skipped
+
+    d = _Drafter(zero_depth_skips_drafter=False)
+    _propose(d, 0)
+    assert d.forwards == [0] and d.num_speculative_steps == K and drafter_skipped()
+    d.fail = True
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        _propose(d, 0)
+    assert d.num_speculative_steps == K
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_depth_d_runs_d_forwards_then_restores_k(depth):
     d = _Drafter()
@@ -121,11 +137,12 @@ def test_failed_draft_restores_the_step_count():
 
 
 # ------------------------------------------------------------ the choice
-def _manager(ids, draft_ms, tmp_path, scheduled_depth=True):
+def _manager(ids, draft_ms, tmp_path, scheduled_depth=True, zero_depth_skips_drafter=True):
     m = AVManager(mrv2_req_states(ids, K, R_MAX), torch.zeros(R_MAX + 1, dtype=torch.int32),
                   num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
-                                    scheduled_depth=scheduled_depth))
+                                    scheduled_depth=scheduled_depth,
+                                    zero_depth_skips_drafter=zero_depth_skips_drafter))
     for i in range(len(ids)):
         m.add_request(i)
     # Verification flat up to 64 tokens: extra tokens are free to verify,
@@ -242,3 +259,16 @@ def test_estimator_learns_only_from_steps_whose_drafts_were_budgeted(tmp_path, v
     assert step(2) == [2.0, float(K)]  # the flag is spent
     m._batch = None
     del est
+
+
+@pytest.mark.parametrize("skips", [True, False])
+def test_depth_zero_is_priced_as_what_it_runs(tmp_path, verifier_slot, skips):
+    """Depth 0 skipping the drafter costs no drafting; depth 0 keeping its
+    KV cache costs the one forward it runs (1/K of the profiled K-deep
+    step, as depth 1)."""
+    m = _manager(["a", "b"], 14.0, tmp_path, zero_depth_skips_drafter=skips)
+    assert m.cost.free_zero_depth is skips
+    zero = float(m.cost.draft_cost_at_depth(2, 0, K))
+    assert zero == (0.0 if skips else pytest.approx(float(m.cost.draft_cost_at_depth(2, 1, K))))
+    if not skips:
+        assert zero == pytest.approx(14.0 / K)

@@ -32,7 +32,8 @@ forwards). `draft_cost_at_depth(r, d, K)` prices a shallower step:
   drafter still runs the forward that keeps its KV cache in sync;
 - without one (tables saved before depth resolution, model-free drafters,
   the simulator's tables), d/K of the K-deep table: one forward per depth,
-  depth 0 free.
+  depth 0 free, or priced as the one forward it runs (1/K) where it keeps
+  the drafter's KV cache whole (`zero_depth_forward`).
 Model-free drafters (ngram, suffix) have nothing to profile: their
 proposal is a host-side lookup. Their drafting cost is measured online
 instead (`draft_measured`, ms per drafting step by request-count bucket)
@@ -219,6 +220,9 @@ class CostModel:
         # Whether a step of depth 0 skips the drafter (no drafting cost);
         # otherwise it pays the drafter's first forward, as profiled at depth 1.
         self.free_zero_depth = False
+        # Without a depth-resolved table: whether depth 0 (not free) runs the
+        # drafter's first forward, priced as depth 1 (d/K tables price it 0).
+        self.zero_depth_forward = False
         # Multiplier per token-count bucket (floor(log2 n)) learnt from
         # measured steps (AdaptiveVerifier.observe_verify_time): of steps
         # that verify drafts (`verify_scale`) and of plain steps that verify
@@ -383,7 +387,8 @@ class CostModel:
         if depth == K:
             return self.draft(num_reqs)
         if not self.draft_by_depth:
-            return self.draft(num_reqs) * (depth / max(K, 1))
+            forwards = max(depth, 1) if self.zero_depth_forward else depth
+            return self.draft(num_reqs) * (forwards / max(K, 1))
         depths = list(self.draft_by_depth)  # sorted
         if len(depths) == 1 or depth <= depths[0]:
             return self.draft_by_depth[depths[0]](num_reqs)
@@ -401,7 +406,7 @@ class CostModel:
         several times a step, every step a drafter drafts."""
         if int(depth) == int(num_speculative_tokens):
             return self
-        stamp = (self.version, self.free_zero_depth)
+        stamp = (self.version, self.free_zero_depth, self.zero_depth_forward)
         if self._views_stamp != stamp:
             self._views, self._views_stamp = {}, stamp
         key = (int(depth), int(num_speculative_tokens))

@@ -374,9 +374,10 @@ class AdaptiveVerifier:
 
     def _costs_stamp(self) -> tuple:
         """What a choice remembered from the costs must match to stay valid:
-        the cost model itself, its corrections' version and whether depth 0
-        is priced free."""
-        return (self.cost, self.cost.version, self.cost.free_zero_depth)
+        the cost model itself, its corrections' version and how depth 0 is
+        priced (free, or as the drafter's first forward)."""
+        return (self.cost, self.cost.version, self.cost.free_zero_depth,
+                self.cost.zero_depth_forward)
 
     def _explore_interval(self, R: int, num_other_tokens: int) -> int:
         """Steps between two full-depth steps: see EXPLORE_MIN_INTERVAL and

@@ -15,6 +15,9 @@ depth 0 the drafter is skipped (a plain step), at depth d < K it runs d
 forwards, and the confidences of its slots not drafted are set to the
 estimator's prior, so the next budget and depth never read another
 request's leftovers.
+With option zero_depth_skips_drafter off, depth 0 runs the drafter's first
+forward alone instead, so drafts after depth-0 steps see a KV cache without
+holes; the cost model then prices depth 0 as that forward.
 A depth-0 step costs a plain step plus host bookkeeping: our manager
 records no confidences (no host wait on the copy stream) and our estimator
 skips the step's empty observation.
@@ -68,6 +71,10 @@ def _adaptive_depth_on(speculator) -> bool:
         options = av_options_of(speculator.vllm_config)
         on = bool(options is not None and options.scheduled_depth)
         speculator._vllm_av_depth_on = on
+        # Option zero_depth_skips_drafter off: depth 0 still runs the
+        # drafter's first forward, so its KV cache has no holes.
+        speculator._vllm_av_zero_depth_forward = bool(
+            on and not options.zero_depth_skips_drafter)
     return on
 
 
@@ -92,8 +99,10 @@ class MRV2DraftDepthPatch(VllmPatch):
         could never be cheaper than fixed K.
     How: with our adaptive depth on (options.scheduled_depth), depth 0
         returns the speculator's draft buffer without running the drafter
-        (the runner masks it all with -1) and tells our manager that there
-        is nothing to record (`drafter_skipped`); depth d < K runs the original
+        (the runner masks it all with -1; with option
+        zero_depth_skips_drafter off, after the drafter's first forward
+        alone, which keeps its KV cache whole) and tells our manager that
+        there is nothing to record (`drafter_skipped`); depth d < K runs the original
         with its step count set to d for the call (its decode loop and its
         one-step early return read that count), then restores K. Slots not
         drafted get the estimator's prior confidences. Dummy runs and
@@ -118,9 +127,17 @@ class MRV2DraftDepthPatch(VllmPatch):
         n = input_batch.num_reqs
         depth = max(int(depth), 0)
         if depth == 0:
-            # Nothing drafted, nothing to record: the buffer's confidences
+            # Nothing verified, nothing to record: the buffer's confidences
             # are not read before the next drafting step overwrites them.
             _LAST_PROPOSE["skipped"] = True
+            if self._vllm_av_zero_depth_forward:
+                # Only the first forward, for the drafter's KV cache; the
+                # runner masks its draft (depth 0).
+                self.num_speculative_steps = 1
+                try:
+                    orig(self, input_batch, *args, **kwargs)
+                finally:
+                    self.num_speculative_steps = K
             return self.draft_tokens[:n]
         self.num_speculative_steps = depth
         try:

@@ -368,9 +368,13 @@ class AVManager:
 
     def _start_depth_policy(self) -> None:
         """Adaptive depth (options.scheduled_depth): depth 0 skips the
-        drafter on V2 (MRV2DraftDepthPatch), so it is priced free; the
-        scheduler finds this manager as its process's verifier."""
-        self.cost.free_zero_depth = True
+        drafter on V2 (MRV2DraftDepthPatch), so it is priced free, or runs
+        its first forward alone (option zero_depth_skips_drafter off), priced
+        as that forward; the scheduler finds this manager as its process's
+        verifier."""
+        skips = self.options.zero_depth_skips_drafter
+        self.cost.free_zero_depth = skips
+        self.cost.zero_depth_forward = not skips
         self.depth = MRV2DepthPolicy(self)
         self._labelled = est = self._estimator()
         if est is not None:
