@@ -147,11 +147,19 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # Fixed K on V2 with the drafter in graphs (no AV): what drafting
         # costs there once it is launched as graphs.
         return Arm(name, family, "fixed", int(base[1:-1]), drafter_graphs)
-    if base == "ours_v2g_keepkv":
-        # ... and depth 0 runs the drafter's first forward (option
-        # zero_depth_skips_drafter off): no holes in the drafter's KV cache.
-        return Arm(name, family, "ours", av_k,
-                   drafter_graphs + (("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),))
+    m = re.fullmatch(r"ours_v2g((?:_keepkv|_cal)+)", base)
+    if m:
+        # ours_v2g with options: _keepkv, depth 0 runs the drafter's first
+        # forward (zero_depth_skips_drafter off: no holes in its KV cache);
+        # _cal, costs corrected from served step periods
+        # (step_period_calibration).
+        opts = m.group(1)
+        env = drafter_graphs
+        if "_keepkv" in opts:
+            env += (("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),)
+        if "_cal" in opts:
+            env += (("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),)
+        return Arm(name, family, "ours", av_k, env)
     if base in ("ours_v2", "ours_v2g"):
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU):
         # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
@@ -200,7 +208,8 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g_keepkv, ours_async, ours_async_plain, ours_async_skipmeta, "
+                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g_keepkv, ours_v2g_cal, "
+                     f"ours_v2g_keepkv_cal, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
                      f"ngram_k<N>, ngram_ours")
 

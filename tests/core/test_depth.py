@@ -608,3 +608,26 @@ def test_the_exploration_interval_is_recomputed_only_when_what_it_reads_changes(
     assert asked == fresh
     _, _, stale, fresh = run(keep_version=True)
     assert stale != fresh
+
+
+def test_served_step_periods_price_what_a_step_costs_beyond_its_forwards():
+    """observe_step_period: a plain step's whole period corrects the plain
+    table; a drafting step's period less its priced drafting corrects the
+    table of steps that verify drafts. Here the engine adds 0.6 ms of host
+    work to every step: profiled, plain decoding (2.0 ms a token) beats
+    depth 1 (1.7 tokens for 2.0 + 1.6 ms); served, depth 1 wins (2.6 ms a
+    token against 1.7 for 4.2 ms)."""
+    v = _verifier(draft_ms=7 * 1.6, verify={1: [2.0], 64: [2.0]})
+    v.cost.free_zero_depth = True
+    rows = np.array([[0.7 ** (i + 1) for i in range(K)]])
+    assert v._search_depth(rows, 1, 1) == 0
+    for _ in range(CALIBRATION_MIN_SAMPLES):
+        v.observe_step_period(0, 1, 2.0 + 0.6)
+        v.observe_step_period(1, 1, 2.0 + 0.6 + 1.6)
+    assert v.cost.verify_cost(1, plain=True) == pytest.approx(2.6)
+    assert v.cost.verify_cost(2) == pytest.approx(2.6)
+    assert v._search_depth(rows, 1, 1) == 1
+    # A period shorter than its priced drafting says nothing (no negative time).
+    before = v.cost.verify_cost(2)
+    v.observe_step_period(K, 1, 0.5)
+    assert v.cost.verify_cost(2) == before

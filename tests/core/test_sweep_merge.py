@@ -114,6 +114,11 @@ def test_arms_build_the_documented_speculative_configs():
     assert ours_v2g.role == "ours" and dict(ours_v2g.env) == graphs_env
     assert dict(sweep.make_arm("ours_v2g_keepkv").env) == {
         **graphs_env, "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"}
+    assert dict(sweep.make_arm("ours_v2g_keepkv_cal").env) == {
+        **graphs_env, "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0",
+        "VLLM_AV_STEP_PERIOD_CALIBRATION": "1"}
+    assert dict(sweep.make_arm("ours_v2g_cal").env) == {
+        **graphs_env, "VLLM_AV_STEP_PERIOD_CALIBRATION": "1"}
     # GPU baselines run plain vLLM (plugin off); CPU ones keep the plugin's
     # sampling fix.
     assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {

@@ -5,6 +5,7 @@ the served path runs on the H200, tests/gpu/test_gpu_av.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -272,3 +273,35 @@ def test_depth_zero_is_priced_as_what_it_runs(tmp_path, verifier_slot, skips):
     assert zero == (0.0 if skips else pytest.approx(float(m.cost.draft_cost_at_depth(2, 1, K))))
     if not skips:
         assert zero == pytest.approx(14.0 / K)
+
+
+def test_step_periods_reach_the_costs_only_from_steady_scheduled_steps(
+        tmp_path, verifier_slot, monkeypatch):
+    """Option step_period_calibration: the time between two depth choices
+    is the earlier step's period, passed on when both steps decoded the
+    same requests without prompt tokens and the period is no idle gap; off,
+    nothing is passed on."""
+    from vllm_av.vllm.mrv2 import manager as manager_mod
+
+    ids = ["a", "b"]
+    m = _manager(ids, 14.0, tmp_path)
+    m.options = dataclasses.replace(m.options, step_period_calibration=True)
+    seen = []
+    monkeypatch.setattr(m.depth, "observe_step_period",
+                        lambda d, n, ms: seen.append((d, n, round(ms, 3))))
+    clock = iter([0.0, 0.002, 0.004, 0.006, 0.008, 10.0, 10.002])
+    monkeypatch.setattr(manager_mod.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(m.depth, "choose_depth", lambda *a, **kw: 0)
+    m.choose_depth(ids, 2, 2)                       # t=0: nothing before it
+    m.choose_depth(ids, 2, 2)                       # t=2 ms: step 1's period
+    m.choose_depth(ids + ["c"], 3, 3)               # a new request: batch changed
+    m.choose_depth(ids + ["c"], 3, 3, may_explore=False)  # prompt tokens: not steady
+    m.choose_depth(ids + ["c"], 3, 3)               # after an unsteady step: nothing
+    m.choose_depth(ids + ["c"], 3, 3)               # t=10 s: an idle gap
+    m.choose_depth(ids + ["c"], 3, 3)               # t=10.002: a period again
+    assert seen == [(0, 2, 2.0), (0, 3, 2.0)]
+    m.options = dataclasses.replace(m.options, step_period_calibration=False)
+    clock = iter([20.0, 20.002])
+    m.choose_depth(ids, 2, 2)
+    m.choose_depth(ids, 2, 2)
+    assert len(seen) == 2

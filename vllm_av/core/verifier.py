@@ -437,6 +437,19 @@ class AdaptiveVerifier:
         if scale is not None:
             self.cost.set_verify_scale(bucket, scale, plain=plain)
 
+    def observe_step_period(self, depth: int, num_reqs: int, ms: float) -> None:
+        """A served step's whole period `ms` (depth `depth`, `num_reqs`
+        decoding requests, every draft verified): what its drafting does not
+        take (as priced) corrects the verification table, that of plain
+        steps at depth 0. A period holds the engine's host work per step
+        (scheduling, sampling, output), which a profile of forwards misses
+        and which a plain step pays per token while a drafting step spreads
+        it over its accepted drafts."""
+        if num_reqs <= 0:
+            return
+        drafting = float(self.cost.draft_cost_at_depth(num_reqs, depth, self.K))
+        self.observe_verify_time(num_reqs * (1 + depth), ms - drafting, plain=depth == 0)
+
     def observe_draft_time(self, depth: int, num_reqs: int, ms: float) -> None:
         """A measured drafting step (`depth` tokens for `num_reqs` requests,
         wall time `ms`): corrects the drafting table at that depth."""

@@ -150,6 +150,14 @@ class AVOptions:
     # record of skipped steps' tokens). Off until measured on a GPU: the
     # catch-up's cost is not yet in the depth choice.
     drafter_catch_up: bool = False
+    # Model Runner V2 with adaptive depth: correct the costs from the period
+    # between two scheduled steps (async scheduling asks for a depth once a
+    # step), which holds the engine's host work that a profile of forwards
+    # misses. On the H200 (fourteenth round) V2's profile priced plain
+    # decoding 11-53% above the throughput no speculation measured, and
+    # depth 1 within -18..+19% of K=1's, which keeps the depth at 0 where
+    # K=1 paid. Off until measured on a GPU.
+    step_period_calibration: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -52,6 +53,11 @@ from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
 
 logger = logging.getLogger("vllm.vllm_av")
+
+# A period between two scheduled steps longer than this many times the
+# priced step is an idle gap (no requests, waiting on the API server), not
+# a step.
+STEP_PERIOD_MAX_RATIO = 8.0
 
 
 @dataclass
@@ -177,6 +183,9 @@ class AVManager:
         self._ticks = 0  # metric snapshots: one per metrics_interval ticks
         # The estimator told which steps carry labels (adaptive depth only).
         self._labelled = None
+        # (time, depth, requests) of the last scheduled step whose period
+        # may correct the costs (option step_period_calibration).
+        self._last_scheduled: tuple | None = None
 
     # ------------------------------------------------------------ requests
     def add_request(self, req_idx: int) -> None:
@@ -359,12 +368,33 @@ class AVManager:
             return self.num_speculative_steps
         d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth,
                                     may_explore=may_explore)
+        if self.options.step_period_calibration:
+            self._observe_period(len(req_ids), d, steady=may_explore)
         st = self.stats
         st.last_depth = d
         st.depth_steps += 1
         st.zero_depth_steps += int(d == 0)
         self._maybe_write_metrics()
         return d
+
+    def _observe_period(self, num_reqs: int, depth: int, steady: bool) -> None:
+        """Under async scheduling the scheduler asks for a depth once per
+        step, so the time since the last ask is the last step's period. It
+        corrects the costs (`observe_step_period`) when both steps decoded
+        the same requests with no prompt tokens, and the period is not an
+        idle gap (at most STEP_PERIOD_MAX_RATIO times the priced step)."""
+        now = time.perf_counter()
+        last, self._last_scheduled = self._last_scheduled, (
+            (now, depth, num_reqs) if steady else None)
+        if last is None or not steady or last[2] != num_reqs:
+            return
+        t0, d0, n0 = last
+        K = self.num_speculative_steps
+        priced = (float(self.cost.verify_cost(n0 * (1 + d0), plain=d0 == 0))
+                  + float(self.cost.draft_cost_at_depth(n0, d0, K)))
+        ms = (now - t0) * 1e3
+        if ms <= STEP_PERIOD_MAX_RATIO * priced:
+            self.depth.observe_step_period(d0, n0, ms)
 
     def _start_depth_policy(self) -> None:
         """Adaptive depth (options.scheduled_depth): depth 0 skips the
