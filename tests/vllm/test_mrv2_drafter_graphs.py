@@ -13,6 +13,7 @@ import pytest
 from vllm_av.vllm.mrv2 import drafter_graphs as dg
 from vllm_av.vllm.mrv2.drafter_graphs import (
     DrafterGraphs,
+    capturable_kinds,
     GraphShape,
     MRV2DrafterGraphsPatch,
     capture_query_lens,
@@ -43,6 +44,14 @@ def test_shapes_cover_the_capture_sizes_within_the_limits():
     dec = decode_shapes(SIZES, max_num_reqs=64)
     assert [(s.num_tokens, s.num_reqs) for s in dec] == [
         (1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (24, 24), (32, 32), (48, 48), (64, 64)]
+
+
+def test_graphs_are_captured_only_where_the_attention_backend_replays_them():
+    assert capturable_kinds(3, K) == (True, True)  # any batch (FlashAttention)
+    assert capturable_kinds(2, K) == (False, True)  # uniform batches: no mixed prefill
+    assert capturable_kinds(1, K) == (False, True)
+    assert capturable_kinds(0, K) == (False, False)
+    assert capturable_kinds(3, 1) == (True, False)  # K=1 has no decode forward
 
 
 def test_a_batch_replays_the_smallest_graph_that_holds_it():

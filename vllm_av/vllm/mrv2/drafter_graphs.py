@@ -90,6 +90,15 @@ def decode_shapes(capture_sizes, max_num_reqs: int) -> list[GraphShape]:
     return [GraphShape("decode", n, n) for n in sorted(set(capture_sizes)) if n <= max_num_reqs]
 
 
+def capturable_kinds(support_level: int, K: int) -> tuple[bool, bool]:
+    """(prefill, decode): which graphs the drafter's attention backends
+    allow, by their least FULL-graph support (vLLM's AttentionCGSupport
+    value: 3 any batch, 2 uniform batches, 1 one-token decodes, 0 none).
+    Prefill batches mix query lengths; decode batches are one token per
+    request, and exist only for K > 1."""
+    return support_level >= 3, K > 1 and support_level >= 1
+
+
 def pick_shape(shapes: list[GraphShape], num_tokens: int, num_reqs: int) -> GraphShape | None:
     """The smallest captured shape that holds the batch (shapes sorted by
     num_tokens), or None."""
@@ -177,7 +186,8 @@ class MRV2DrafterGraphsPatch(VllmPatch):
         after the target's graphs) captures the draft model's forward in
         FULL graphs over the capture sizes, for the first draft forward
         (the expanded batch, up to K + 2 tokens per request) and for the
-        one-token decode forwards; `_prefill` and `_multi_step_decode` build
+        one-token decode forwards (each kind where the drafter's attention
+        backends support FULL graphs of it); `_prefill` and `_multi_step_decode` build
         the step's attention metadata with a FULL descriptor (same
         persistent buffers) and replay the graph of the smallest fitting
         size, padding query_start_loc for the padded requests. Batches that
@@ -243,13 +253,24 @@ def _capture(spec) -> None:
     config = spec.vllm_config.compilation_config
     sizes = config.cudagraph_capture_sizes or []
     K = spec.num_speculative_steps
+    # The drafter's attention groups' least FULL-graph support (set_attn);
+    # unknown counts as none: the forwards then stay eager, as vLLM runs them.
+    support = getattr(spec, "attn_cg_support", None)
+    level = getattr(getattr(support, "min_cg_support", None), "value", 0)
+    prefill_ok, decode_ok = capturable_kinds(level, K)
+    if not (prefill_ok or decode_ok):
+        logger.info("vllm-av: draft model forwards left eager: attention backend %s "
+                    "supports no FULL CUDA graph of them",
+                    getattr(support, "min_cg_attn_backend", None))
+        return
     max_prefill_tokens = min(max(sizes, default=0), spec.max_num_reqs * (K + 2),
                              spec.expanded_input_ids.shape[0])
     graphs = DrafterGraphs(
         kv_cache_config=spec.kv_cache_config,
         max_query_len=K + 1,
-        prefill=prefill_shapes(sizes, spec.max_num_reqs, max_prefill_tokens),
-        decode=decode_shapes(sizes, spec.max_num_reqs) if K > 1 else [],
+        prefill=(prefill_shapes(sizes, spec.max_num_reqs, max_prefill_tokens)
+                 if prefill_ok else []),
+        decode=decode_shapes(sizes, spec.max_num_reqs) if decode_ok else [],
     )
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
