@@ -104,6 +104,11 @@ def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def acceptance(counts: dict) -> float:
+    """Accepted share of the drafts an engine verified (its spec counters)."""
+    return counts["num_accepted_tokens"] / counts["num_draft_tokens"]
+
+
 def common_prefix(a, b) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -206,9 +211,6 @@ def test_caught_up_drafts_are_accepted_more_than_drafts_over_holes(alternating_d
     catch-up ran; and the drafts it made possible are accepted more often
     than the same engine's drafts over holes (the control)."""
     holes, caught_up = alternating_drafts["holes"], alternating_drafts["caught_up"]
-
-    def acceptance(c):
-        return c["num_accepted_tokens"] / c["num_draft_tokens"]
 
     print(f"acceptance over holes {acceptance(holes):.2f}, caught up "
           f"{acceptance(caught_up):.2f} ({caught_up['catch_up_tokens']} positions)")
@@ -314,9 +316,6 @@ def test_drafter_graphs_on_model_runner_v2_keep_outputs_and_acceptance(v2_fixed_
     0.05. Drafts computed from wrong inputs or stale attention metadata
     would still decode losslessly, so acceptance is what catches them."""
     eager, graphs = v2_fixed_k_drafters["eager"], v2_fixed_k_drafters["graphs"]
-
-    def acceptance(c):
-        return c["num_accepted_tokens"] / c["num_draft_tokens"]
 
     print(f"acceptance eager {acceptance(eager):.3f}, graphs {acceptance(graphs):.3f}; "
           f"graph replays {graphs['drafter_graph_replays']}")
