@@ -21,7 +21,8 @@ Arms: nospec, nospecv1 (no speculation on Model Runner V1), kN (fixed K on
 vLLM's default runner, V2 on GPU), kNv1 (fixed K on Model Runner V1), ours
 (our AV at K=7 on V1), ours_v2 (ours inside Model Runner V2), vllm_av
 (vLLM's AV at K=7 on V2); kNg and ours_v2g: with V2's draft model in our
-FULL graphs (VLLM_AV_DRAFTER_GRAPHS=1).
+FULL graphs (VLLM_AV_DRAFTER_GRAPHS=1); ours_v2g_keepkv, ours_v2g_cal,
+ours_v2g_keepkv_cal: with the options of those names (as the sweep's arms).
 `--async-scheduling` serves any arm with async scheduling;
 `--torch-profile PATH` adds a torch.profiler op table of one batch.
 """
@@ -108,11 +109,20 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         return spec, env
     # The V2 drafter's forwards in our FULL graphs (vllm_av/vllm/mrv2/drafter_graphs.py).
     graphs = {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_DRAFTER_GRAPHS": "1"}
-    if arm in ("ours_v2", "ours_v2g"):
-        # Our AV inside Model Runner V2 (adaptive depth: the drafter skipped at depth 0).
-        return av_spec, (graphs if arm == "ours_v2g" else {"VLLM_AV_IMPL": "ours",
-                                                           "VLLM_AV_MRV2": "1",
-                                                           "VLLM_AV_DRAFTER_GRAPHS": "0"})
+    if arm == "ours_v2":
+        # Our AV inside Model Runner V2 with vLLM's eager drafter.
+        return av_spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
+                         "VLLM_AV_DRAFTER_GRAPHS": "0"}
+    m = re.fullmatch(r"ours_v2g((?:_keepkv|_cal)*)", arm)
+    if m:
+        # ... with the drafter in graphs; _keepkv: depth 0 keeps the
+        # drafter's KV; _cal: costs from served step periods.
+        env = dict(graphs)
+        if "_keepkv" in m.group(1):
+            env["VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER"] = "0"
+        if "_cal" in m.group(1):
+            env["VLLM_AV_STEP_PERIOD_CALIBRATION"] = "1"
+        return av_spec, env
     m = re.fullmatch(r"k(\d+)(v1|g)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")
