@@ -7,8 +7,11 @@ drafter)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from vllm_av.vllm.mrv2 import drafter_graphs as dg
 from vllm_av.vllm.mrv2.drafter_graphs import (
@@ -102,22 +105,32 @@ def test_decode_capture_layout_is_one_token_per_request():
 
 
 class _Spec:
-    """A stand-in speculator: the patch's methods over recording originals."""
+    """A stand-in speculator: the patch's methods over originals that
+    record which graph (None: eager) was in force when vLLM's code ran."""
 
     _prefill = MRV2DrafterGraphsPatch._prefill
     _multi_step_decode = MRV2DrafterGraphsPatch._multi_step_decode
+    _build_attn_metadata = MRV2DrafterGraphsPatch._build_attn_metadata
+    _run_model = MRV2DrafterGraphsPatch._run_model
 
     def __init__(self, graphs=None, kv=None):
         self.kv_cache_config = kv
         self._vllm_av_graphs = graphs
         self.num_speculative_steps = K
+        self.input_buffers = SimpleNamespace(query_start_loc=torch.full((300,), 99))
         self.calls = []
 
     def _orig__prefill(self, *args):
-        self.calls.append("eager prefill")
+        self.calls.append(("prefill", self._vllm_av_replay))
 
     def _orig__multi_step_decode(self, *args):
-        self.calls.append("eager decode")
+        self.calls.append(("decode", self._vllm_av_replay))
+
+    def _orig__build_attn_metadata(self, num_reqs, batch_desc, **kwargs):
+        return batch_desc
+
+    def _orig__run_model(self, input_ids, *args):
+        return "eager forward"
 
 
 class _Batch:
@@ -126,31 +139,27 @@ class _Batch:
         self.num_tokens = int(sum(query_lens))
 
 
-@pytest.fixture
-def replays(monkeypatch):
-    seen = []
-    monkeypatch.setattr(dg, "_replay_prefill", lambda spec, g, shape, *a: seen.append(shape))
-    monkeypatch.setattr(dg, "_replay_decode", lambda spec, g, shape, *a: seen.append(shape))
-    return seen
-
-
 def _graphs(kv):
     return DrafterGraphs(kv_cache_config=kv, max_query_len=K + 1,
                          prefill=prefill_shapes(SIZES, 256, 512), decode=decode_shapes(SIZES, 256))
 
 
-def test_fitting_batches_replay_graphs(replays):
+def test_fitting_batches_run_vllms_code_with_a_graph_in_force():
     kv = object()
     spec = _Spec(_graphs(kv), kv)
     spec._prefill(_Batch([8, 8, 1]), None, None, 3, False, None)
     spec._multi_step_decode(_Batch([8, 8, 1]), None, 3, False, None)
-    assert spec.calls == []
-    assert replays == [GraphShape("prefill", 24, 12), GraphShape("decode", 4, 4)]
+    assert spec.calls == [("prefill", GraphShape("prefill", 24, 12)),
+                          ("decode", GraphShape("decode", 4, 4))]
+    # The decode graph's padded requests (3 of 4) get empty queries.
+    assert spec.input_buffers.query_start_loc[4:5].tolist() == [3]
+    assert spec.input_buffers.query_start_loc[5] == 99  # past the graph: untouched
+    assert spec._vllm_av_replay is None  # nothing in force afterwards
 
 
 @pytest.mark.parametrize("case", ["no graphs", "stale kv cache", "prompt chunk", "skip attn",
                                   "data parallel"])
-def test_other_batches_run_the_eager_drafter(replays, case):
+def test_other_batches_run_the_eager_drafter(case):
     kv = object()
     spec = _Spec(None if case == "no graphs" else _graphs(kv),
                  object() if case == "stale kv cache" else kv)
@@ -160,6 +169,27 @@ def test_other_batches_run_the_eager_drafter(replays, case):
     spec._prefill(_Batch(lens), None, None, 2, skip, dp)
     if case != "prompt chunk":
         spec._multi_step_decode(_Batch(lens), None, 2, skip, dp)
-    assert replays == []
-    assert spec.calls == (["eager prefill"] if case == "prompt chunk"
-                          else ["eager prefill", "eager decode"])
+    assert spec.calls == ([("prefill", None)] if case == "prompt chunk"
+                          else [("prefill", None), ("decode", None)])
+    assert (spec.input_buffers.query_start_loc == 99).all()
+
+
+def test_with_a_graph_in_force_metadata_takes_its_shape_and_forwards_replay_it(monkeypatch):
+    kv = object()
+    graphs = _graphs(kv)
+    shape = GraphShape("decode", 4, 4)
+    graphs.graphs[shape] = SimpleNamespace(replay=lambda: None)
+    graphs.outputs[shape] = torch.arange(4)
+    spec = _Spec(graphs, kv)
+    monkeypatch.setattr(dg, "_full_desc", lambda s, uniform: ("FULL", s, uniform))
+    assert spec._build_attn_metadata(3, "vLLM's desc") == "vLLM's desc"
+    assert spec._run_model(torch.zeros(3)) == "eager forward"
+    with dg._replaying(spec, shape):
+        assert spec._build_attn_metadata(num_reqs=3, batch_desc="vLLM's desc") == (
+            "FULL", shape, True)
+        assert spec._build_attn_metadata(3, "vLLM's desc") == ("FULL", shape, True)
+        assert spec._run_model(torch.zeros(3)).tolist() == [0, 1, 2]  # the replay's rows
+    assert graphs.replays == 1
+    with pytest.raises(RuntimeError), dg._replaying(spec, shape):
+        raise RuntimeError("drafter failed")
+    assert spec._vllm_av_replay is None

@@ -23,8 +23,9 @@ them when the batch fits:
   decode graphs   the following one-token-per-request forwards, one graph
                   per capture size N <= max_num_seqs, for up to N requests.
 
-Only the model forward is in the graph; the draft sampling after it runs as
-before. The attention metadata is built each step by the drafter's own
+Only the model forward is in the graph; vLLM's own drafting code runs as
+before around it, with the graph in force for its metadata builds and
+forwards. The attention metadata is built each step by the drafter's own
 builders with a FULL batch descriptor, which keeps it in the persistent
 buffers the graph reads (query_start_loc, seq_lens, block tables, slot
 mappings, FA3's scheduler metadata). Padded tokens get PAD slots (no KV
@@ -39,6 +40,7 @@ the drafter's forwards are launched, not what they compute.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import time
@@ -176,7 +178,7 @@ def _full_desc(shape: GraphShape, uniform: bool):
 class MRV2DrafterGraphsPatch(VllmPatch):
     """FULL CUDA graphs for Model Runner V2's draft-model forwards.
 
-    Target: vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.init_cudagraph_manager, capture, _prefill, _multi_step_decode
+    Target: vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator.init_cudagraph_manager, capture, _prefill, _multi_step_decode, _build_attn_metadata, _run_model
     Why: vLLM 0.32's V2 draft-model speculator captures no CUDA graph
         ("CUDA graph not yet supported for standalone AR speculator") and
         runs each draft forward eagerly; on the H200 a K=7 drafting step was
@@ -187,13 +189,15 @@ class MRV2DrafterGraphsPatch(VllmPatch):
         FULL graphs over the capture sizes, for the first draft forward
         (the expanded batch, up to K + 2 tokens per request) and for the
         one-token decode forwards (each kind where the drafter's attention
-        backends support FULL graphs of it); `_prefill` and `_multi_step_decode` build
-        the step's attention metadata with a FULL descriptor (same
-        persistent buffers) and replay the graph of the smallest fitting
-        size, padding query_start_loc for the padded requests. Batches that
-        fit no graph, dummy runs without attention and data parallelism run
-        the originals. `init_cudagraph_manager` drops graphs captured
-        against an earlier KV cache.
+        backends support FULL graphs of it). `_prefill` and
+        `_multi_step_decode` pick the smallest graph that holds the batch
+        and run vLLM's own code with it in force: `_build_attn_metadata`
+        then builds for the graph's padded shape (the persistent buffers it
+        reads) and `_run_model` replays it; the decode loop's padded
+        requests get empty queries. Batches that fit no graph, dummy runs
+        without attention and data parallelism run unchanged.
+        `init_cudagraph_manager` drops graphs captured against an earlier
+        KV cache.
     Upstream: CUDA graph support in StandaloneARSpeculator, as its EAGLE
         sibling (TargetDependentARSpeculator) has.
     Remove when: vLLM's V2 draft-model speculator captures its forwards.
@@ -201,7 +205,8 @@ class MRV2DrafterGraphsPatch(VllmPatch):
     """
 
     target = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
-    attributes = ("init_cudagraph_manager", "capture", "_prefill", "_multi_step_decode")
+    attributes = ("init_cudagraph_manager", "capture", "_prefill", "_multi_step_decode",
+                  "_build_attn_metadata", "_run_model")
     platforms = ("cuda",)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
@@ -218,28 +223,59 @@ class MRV2DrafterGraphsPatch(VllmPatch):
 
     def _prefill(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
                  num_tokens_across_dp):
-        orig = type(self)._orig__prefill
+        shape = None
         graphs = _graphs_for(self)
-        if graphs is None or skip_attn or num_tokens_across_dp is not None:
-            return orig(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
-                        num_tokens_across_dp)
-        qsl_np = input_batch.query_start_loc_np
-        max_query_len = int((qsl_np[1:num_reqs + 1] - qsl_np[:num_reqs]).max())
-        shape = graphs.prefill_shape(input_batch.num_tokens + num_reqs, num_reqs, max_query_len)
-        if shape is None:
-            return orig(self, input_batch, num_rejected, last_sampled, num_reqs, skip_attn,
-                        num_tokens_across_dp)
-        _replay_prefill(self, graphs, shape, input_batch, num_rejected, last_sampled, num_reqs)
+        if graphs is not None and not skip_attn and num_tokens_across_dp is None:
+            qsl = input_batch.query_start_loc_np
+            longest = int((qsl[1:num_reqs + 1] - qsl[:num_reqs]).max())
+            shape = graphs.prefill_shape(input_batch.num_tokens + num_reqs, num_reqs, longest)
+        with _replaying(self, shape):
+            return type(self)._orig__prefill(self, input_batch, num_rejected, last_sampled,
+                                             num_reqs, skip_attn, num_tokens_across_dp)
 
     def _multi_step_decode(self, input_batch, num_rejected, num_reqs, skip_attn,
                            num_tokens_across_dp):
-        orig = type(self)._orig__multi_step_decode
+        shape = None
         graphs = _graphs_for(self)
-        shape = graphs.decode_shape(num_reqs) if graphs is not None else None
-        if shape is None or skip_attn or num_tokens_across_dp is not None:
-            return orig(self, input_batch, num_rejected, num_reqs, skip_attn,
-                        num_tokens_across_dp)
-        _replay_decode(self, graphs, shape, input_batch, num_rejected, num_reqs)
+        if graphs is not None and not skip_attn and num_tokens_across_dp is None:
+            shape = graphs.decode_shape(num_reqs)
+        if shape is not None:
+            # The decode loop sets the first num_reqs + 1 entries; the padded
+            # requests past them get empty queries.
+            self.input_buffers.query_start_loc[num_reqs + 1: shape.num_reqs + 1].fill_(num_reqs)
+        with _replaying(self, shape):
+            return type(self)._orig__multi_step_decode(self, input_batch, num_rejected, num_reqs,
+                                                       skip_attn, num_tokens_across_dp)
+
+    def _build_attn_metadata(self, *args, **kwargs):
+        shape = getattr(self, "_vllm_av_replay", None)
+        if shape is not None:
+            # The graph's shape: the builders then write the persistent
+            # buffers the graph reads, padded as it was captured.
+            desc = _full_desc(shape, uniform=shape.kind == "decode")
+            if "batch_desc" in kwargs:
+                kwargs["batch_desc"] = desc
+            else:
+                args = (args[0], desc, *args[2:])
+        return type(self)._orig__build_attn_metadata(self, *args, **kwargs)
+
+    def _run_model(self, input_ids, *args, **kwargs):
+        shape = getattr(self, "_vllm_av_replay", None)
+        if shape is None:
+            return type(self)._orig__run_model(self, input_ids, *args, **kwargs)
+        # The inputs sit in the buffers the graph was captured on.
+        return self._vllm_av_graphs.replay(shape)[: input_ids.shape[0]]
+
+
+@contextlib.contextmanager
+def _replaying(speculator, shape: GraphShape | None):
+    """Within: the speculator's metadata builds and forwards use the graph
+    of `shape` (None: vLLM's eager path)."""
+    speculator._vllm_av_replay = shape
+    try:
+        yield
+    finally:
+        speculator._vllm_av_replay = None
 
 
 # ------------------------------------------------------------ capture
@@ -331,70 +367,3 @@ def _dummy_forward(spec, shape: GraphShape, max_query_len: int, pad_slot: int):
         return spec._run_model(input_ids, positions, attn_metadata, slots_by_layer, None)
 
     return run
-
-
-# ------------------------------------------------------------ replay
-
-
-def _replay_prefill(spec, graphs, shape, input_batch, num_rejected, last_sampled, num_reqs):
-    """vLLM's eager `_prefill` (attention path), with the forward replayed."""
-    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import prepare_prefill_inputs
-
-    total = prepare_prefill_inputs(
-        input_buffers=spec.input_buffers, input_batch=input_batch, last_sampled=last_sampled,
-        num_rejected=num_rejected, expanded_input_ids=spec.expanded_input_ids,
-        expanded_positions=spec.expanded_positions, last_token_indices=spec.last_token_indices,
-        max_num_reqs=spec.max_num_reqs, max_model_len=spec.max_model_len)
-    # Slots for every token of the graph: the kernel pads past `total` with PAD.
-    slots = spec.block_tables.compute_slot_mappings(
-        input_batch.idx_mapping, spec.input_buffers.query_start_loc[: num_reqs + 1],
-        spec.expanded_positions, shape.num_tokens, out=spec.expanded_slot_mappings)
-    qsl_np = input_batch.query_start_loc_np[: num_reqs + 1] + spec.arange_np[: num_reqs + 1]
-    spec._build_attn_metadata(
-        num_reqs=num_reqs, batch_desc=_full_desc(shape, uniform=False),
-        query_start_loc_np=qsl_np, seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound,
-        step=0, slot_mappings=slots)
-    hidden_states = graphs.replay(shape)[:total]
-    last_indices = spec.last_token_indices[:num_reqs]
-    spec.current_draft_step.fill_(0)
-    spec.draft_tokens[:num_reqs, 0] = spec.sample_draft(
-        hidden_states[last_indices], spec.expanded_positions[last_indices],
-        spec.idx_mapping[:num_reqs], spec.temperature, spec.seeds, spec.current_draft_step,
-        spec.draft_logits)
-
-
-def _replay_decode(spec, graphs, shape, input_batch, num_rejected, num_reqs):
-    """vLLM's eager `_multi_step_decode` (attention path), with each forward
-    replayed; padded requests get empty queries."""
-    import torch
-
-    bufs = spec.input_buffers
-    last_positions = spec.expanded_positions[spec.last_token_indices[:num_reqs]]
-    bufs.positions[:num_reqs].copy_(last_positions)
-    bufs.seq_lens[:num_reqs].copy_(torch.clamp(
-        input_batch.seq_lens[:num_reqs] - num_rejected[:num_reqs].int() + 1,
-        max=spec.max_model_len))
-    bufs.query_start_loc[: num_reqs + 1].copy_(spec.arange_gpu[: num_reqs + 1])
-    # Padded requests: empty queries (and zero seq_lens, left by the prefill kernel).
-    bufs.query_start_loc[num_reqs + 1: shape.num_reqs + 1].fill_(num_reqs)
-    idx_mapping = input_batch.idx_mapping
-    desc = _full_desc(shape, uniform=True)
-    for step in range(1, spec.num_speculative_steps):
-        bufs.input_ids[:num_reqs].copy_(spec.draft_tokens[:num_reqs, step - 1].int())
-        torch.clamp(bufs.positions[:num_reqs] + 1, max=spec.max_model_len - 1,
-                    out=bufs.positions[:num_reqs])
-        torch.clamp(bufs.seq_lens[:num_reqs] + 1, max=spec.max_model_len,
-                    out=bufs.seq_lens[:num_reqs])
-        # Writes the persistent slot mappings the graph reads, PAD past num_reqs.
-        spec.block_tables.compute_slot_mappings(
-            idx_mapping, bufs.query_start_loc[: num_reqs + 1], bufs.positions[:num_reqs],
-            shape.num_tokens)
-        spec._build_uniform_attn_metadata(
-            batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
-            seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound, step=step + 1)
-        hidden_states = graphs.replay(shape)[:num_reqs]
-        spec.current_draft_step.fill_(step)
-        spec.draft_tokens[:num_reqs, step] = spec.sample_draft(
-            hidden_states, bufs.positions[:num_reqs], spec.idx_mapping[:num_reqs],
-            spec.temperature, spec.seeds, spec.current_draft_step, spec.draft_logits)
-
