@@ -65,17 +65,17 @@ def drafter_skipped() -> bool:
     return _LAST_PROPOSE["skipped"]
 
 
-def _adaptive_depth_on(speculator) -> bool:
-    on = getattr(speculator, "_vllm_av_depth_on", None)
-    if on is None:
+def _depth_options(speculator) -> tuple[bool, bool]:
+    """(adaptive depth on, depth 0 runs the drafter's first forward), read
+    once from our options: the latter with option zero_depth_skips_drafter
+    off, so that the drafter's KV cache has no holes."""
+    cached = getattr(speculator, "_vllm_av_depth_options", None)
+    if cached is None:
         options = av_options_of(speculator.vllm_config)
         on = bool(options is not None and options.scheduled_depth)
-        speculator._vllm_av_depth_on = on
-        # Option zero_depth_skips_drafter off: depth 0 still runs the
-        # drafter's first forward, so its KV cache has no holes.
-        speculator._vllm_av_zero_depth_forward = bool(
-            on and not options.zero_depth_skips_drafter)
-    return on
+        cached = (on, on and not options.zero_depth_skips_drafter)
+        speculator._vllm_av_depth_options = cached
+    return cached
 
 
 def _prior_for_undrafted(speculator, num_reqs: int, depth: int) -> None:
@@ -121,8 +121,8 @@ class MRV2DraftDepthPatch(VllmPatch):
         K = self.num_speculative_steps
         depth = kwargs.get("num_speculative_tokens")
         _LAST_PROPOSE["skipped"] = False
-        if (depth is None or depth >= K or kwargs.get("dummy_run")
-                or not _adaptive_depth_on(self)):
+        on, zero_depth_forward = _depth_options(self)
+        if depth is None or depth >= K or kwargs.get("dummy_run") or not on:
             return orig(self, input_batch, *args, **kwargs)
         n = input_batch.num_reqs
         depth = max(int(depth), 0)
@@ -130,7 +130,7 @@ class MRV2DraftDepthPatch(VllmPatch):
             # Nothing verified, nothing to record: the buffer's confidences
             # are not read before the next drafting step overwrites them.
             _LAST_PROPOSE["skipped"] = True
-            if self._vllm_av_zero_depth_forward:
+            if zero_depth_forward:
                 # Only the first forward, for the drafter's KV cache; the
                 # runner masks its draft (depth 0).
                 self.num_speculative_steps = 1

@@ -101,10 +101,13 @@ def capturable_kinds(support_level: int, K: int) -> tuple[bool, bool]:
     return support_level >= 3, K > 1 and support_level >= 1
 
 
-def pick_shape(shapes: list[GraphShape], num_tokens: int, num_reqs: int) -> GraphShape | None:
+def pick_shape(shapes: list[GraphShape], num_tokens: int, num_reqs: int,
+               sizes: list[int] | None = None) -> GraphShape | None:
     """The smallest captured shape that holds the batch (shapes sorted by
-    num_tokens), or None."""
-    i = bisect.bisect_left([s.num_tokens for s in shapes], num_tokens)
+    num_tokens, `sizes` their num_tokens if already at hand), or None."""
+    if sizes is None:
+        sizes = [s.num_tokens for s in shapes]
+    i = bisect.bisect_left(sizes, num_tokens)
     for shape in shapes[i:]:
         if shape.num_reqs >= num_reqs:
             return shape
@@ -139,14 +142,19 @@ class DrafterGraphs:
     outputs: dict = field(default_factory=dict)
     replays: int = 0
 
+    def __post_init__(self) -> None:
+        # The shapes' token counts, for the lookup every drafting step makes.
+        self._prefill_sizes = [s.num_tokens for s in self.prefill]
+        self._decode_sizes = [s.num_tokens for s in self.decode]
+
     def prefill_shape(self, num_tokens: int, num_reqs: int,
                       max_query_len: int) -> GraphShape | None:
         if max_query_len > self.max_query_len:
             return None  # a prompt chunk: longer than any graph was captured for
-        return pick_shape(self.prefill, num_tokens, num_reqs)
+        return pick_shape(self.prefill, num_tokens, num_reqs, self._prefill_sizes)
 
     def decode_shape(self, num_reqs: int) -> GraphShape | None:
-        return pick_shape(self.decode, num_reqs, num_reqs)
+        return pick_shape(self.decode, num_reqs, num_reqs, self._decode_sizes)
 
     def replay(self, shape: GraphShape):
         self.graphs[shape].replay()

@@ -370,10 +370,10 @@ class AVManager:
                                     may_explore=may_explore)
         if self.options.step_period_calibration:
             self._observe_period(len(req_ids), d, steady=may_explore)
-        st = self.stats
-        st.last_depth = d
-        st.depth_steps += 1
-        st.zero_depth_steps += int(d == 0)
+        # The policy counts its choices; the metrics read them here.
+        ds, st = self.depth.stats, self.stats
+        st.last_depth, st.depth_steps, st.zero_depth_steps = (
+            ds.last_depth, ds.depth_steps, ds.zero_depth_steps)
         self._maybe_write_metrics()
         return d
 
