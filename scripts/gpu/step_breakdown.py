@@ -38,6 +38,7 @@ import re
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 PHASES = {
     # Model Runner V2 (vllm/v1/worker/gpu/)
@@ -107,29 +108,19 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
         if arm == "ours_skipmeta":
             env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA"] = "1"
         return spec, env
-    # The V2 drafter's forwards in our FULL graphs (vllm_av/vllm/mrv2/drafter_graphs.py).
-    graphs = {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_DRAFTER_GRAPHS": "1"}
-    if arm == "ours_v2":
-        # Our AV inside Model Runner V2 with vLLM's eager drafter.
-        return av_spec, {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
-                         "VLLM_AV_DRAFTER_GRAPHS": "0"}
-    m = re.fullmatch(r"ours_v2g((?:_keepkv|_cal)*)", arm)
-    if m:
-        # ... with the drafter in graphs; _keepkv: depth 0 keeps the
-        # drafter's KV; _cal: costs from served step periods.
-        env = dict(graphs)
-        if "_keepkv" in m.group(1):
-            env["VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER"] = "0"
-        if "_cal" in m.group(1):
-            env["VLLM_AV_STEP_PERIOD_CALIBRATION"] = "1"
-        return av_spec, env
-    m = re.fullmatch(r"k(\d+)(v1|g)?", arm)
+    if arm == "ours_v2" or arm.startswith("ours_v2g") or re.fullmatch(r"k\d+g", arm):
+        # Model Runner V2 arms with our drafter graphs or options: as the
+        # sweep defines them (benchmarks/sweep.py, make_arm).
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        import sweep
+
+        a = sweep.make_arm(arm)
+        return a.speculative_config(draft), dict(a.env)
+    m = re.fullmatch(r"k(\d+)(v1)?", arm)
     if not m:
         raise SystemExit(f"unknown arm {arm}")
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m.group(1))}
-    env = {"v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "g": graphs}.get(m.group(2) or "", {})
-    return spec, env
-
+    return spec, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if m.group(2) else {})
 
 def main() -> None:
     p = argparse.ArgumentParser()
