@@ -109,3 +109,28 @@ def test_pairwise_ranking_equals_the_stable_sort_on_ties():
         flat = (torch.rand(n, generator=g) * 4).floor() / 4  # heavy ties
         flat[torch.rand(n, generator=g) < 0.2] = float("-inf")
         assert torch.equal(_rank_pairwise(flat), _rank_by_sort(flat))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 256])
+def test_device_prefix_sums_equal_cumsum_and_leave_the_rest_of_out(n):
+    from vllm_av.core.selector import DevicePrefixSums
+
+    g = torch.Generator().manual_seed(n)
+    sums = DevicePrefixSums(256, "cpu")
+    counts = torch.randint(0, 9, (n,), generator=g, dtype=torch.int32)
+    out = torch.full((258,), -7, dtype=torch.int32)
+    view = sums(counts, out)
+    expected = torch.cat([torch.zeros(1, dtype=torch.int64), counts.long().cumsum(0)])
+    assert view.shape == (n + 1,) and torch.equal(view.long(), expected)
+    assert (out[n + 1:] == -7).all()  # only the prefix is written
+
+
+def test_device_prefix_sums_stay_exact_at_the_largest_step():
+    # 256 requests x (K + 1 = 33 tokens): integer totals far past what a
+    # half-precision product would hold, still exact in float32.
+    from vllm_av.core.selector import DevicePrefixSums
+
+    sums = DevicePrefixSums(256, "cpu")
+    counts = torch.full((256,), 33, dtype=torch.int32)
+    out = torch.zeros(257, dtype=torch.int32)
+    assert torch.equal(sums(counts, out).long(), torch.arange(257) * 33)

@@ -110,6 +110,32 @@ def admitted_layout(admitted: torch.Tensor) -> AdmittedLayout:
     return AdmittedLayout(num_tokens, qsl, cu)
 
 
+class DevicePrefixSums:
+    """Exclusive prefix sums of up to `max_len` small non-negative integer
+    counts, on the device and without a host wait.
+
+    A product with a triangular matrix of ones, not `torch.cumsum`: on the
+    H200, inside a served step, each cumsum of the V2 layout showed up as a
+    `cudaStreamSynchronize` in the profile. Exact while the total stays
+    below 2**24 (float32 integers); a step's token counts are far below.
+    """
+
+    def __init__(self, max_len: int, device) -> None:
+        # ones_upper[i, j] = 1 for i <= j: column j sums counts[0..j].
+        self._ones_upper = torch.triu(torch.ones(max_len, max_len, device=device))
+        self._acc = torch.zeros(max_len, device=device)
+
+    def __call__(self, counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Writes [0, c0, c0 + c1, ...] into out[: len(counts) + 1] and
+        returns that view."""
+        n = counts.shape[0]
+        acc = self._acc[:n]
+        torch.mv(self._ones_upper[:n, :n].t(), counts.to(acc.dtype), out=acc)
+        out[:1].zero_()
+        out[1 : n + 1].copy_(acc)
+        return out[: n + 1]
+
+
 @functools.cache
 def _compiled():
     # dynamic=False: shapes are fixed per (R, K) bucket in a CUDA-graph step,
@@ -137,6 +163,7 @@ def compiled_select_admitted():
 __all__ = [
     "PAIRWISE_MAX_SLOTS",
     "AdmittedLayout",
+    "DevicePrefixSums",
     "admitted_layout",
     "compiled_select_admitted",
     "select_admitted",

@@ -46,7 +46,7 @@ import torch
 
 from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
-from vllm_av.core.selector import compiled_select_admitted, select_admitted
+from vllm_av.core.selector import DevicePrefixSums, compiled_select_admitted, select_admitted
 from vllm_av.core.survival import survival
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
@@ -103,13 +103,11 @@ def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
     return async_tensor_h2d(np.ascontiguousarray(values).astype(np.int32), out=out)
 
 
-def _offsets(counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Exclusive prefix sums of `counts` into out[: len + 1] (device, no
-    sync); returns that view."""
-    n = counts.shape[0]
-    out[0] = 0
-    torch.cumsum(counts, dim=0, dtype=out.dtype, out=out[1 : n + 1])
-    return out[: n + 1]
+def _host_offsets(counts: np.ndarray) -> np.ndarray:
+    """[0, c0, c0 + c1, ...] of host counts."""
+    out = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 def _sync_allowed():
@@ -168,6 +166,7 @@ class AVManager:
         self._admitted = torch.zeros(R, dtype=torch.int32, device=device)
         self._non_draft = torch.zeros(R, dtype=torch.int32, device=device)
         self._cu_num_logits = torch.zeros_like(query_start_loc)
+        self._prefix_sums = DevicePrefixSums(R, device)
         self._slots = [_StaleSlot(R, K, device, pinned=cuda) for _ in range(2)]
         self._stale_idx = 0
         self._record_step = 0
@@ -370,10 +369,12 @@ class AVManager:
                                     may_explore=may_explore)
         if self.options.step_period_calibration:
             self._observe_period(len(req_ids), d, steady=may_explore)
-        # The policy counts its choices; the metrics read them here.
-        ds, st = self.depth.stats, self.stats
-        st.last_depth, st.depth_steps, st.zero_depth_steps = (
-            ds.last_depth, ds.depth_steps, ds.zero_depth_steps)
+        # Counted here, where the depth is handed to the step (not from the
+        # policy's own counts): what /metrics shows is what the steps ran.
+        st = self.stats
+        st.last_depth = d
+        st.depth_steps += 1
+        st.zero_depth_steps += int(d == 0)
         self._maybe_write_metrics()
         return d
 
@@ -490,26 +491,30 @@ class AVManager:
         n = idx_mapping.shape[0]
         num_tokens = int(non_draft.sum()) + budget
         admitted = self._admitted[:n]
-        if budget == 0:
-            admitted.zero_()
-        elif budget == int(drafts.sum()):
-            _h2d(drafts, admitted)
-        else:
-            # Static shape (all R slots; rows past n drafted nothing), so the
-            # compiled selector never recompiles. Position-major ranking is
-            # unchanged by the padding rows.
-            drafted = self._drafted
-            drafted.zero_()
-            _h2d(drafts, drafted[:n])
-            conf = self._conf_rows
-            conf.fill_(1.0)
-            conf[:n] = self._conf.index_select(0, idx_mapping.long())
-            admitted.copy_(self._select(survival(conf), drafted, budget)[:n])
+        if budget == 0 or budget == int(drafts.sum()):
+            # Every draft or none: the layout is known here, so it goes over
+            # with the step's other host inputs; no device work to wait on.
+            host = drafts if budget else np.zeros_like(drafts)
+            _h2d(host, admitted)
+            logits = _h2d(_host_offsets(host + self.num_bonus_tokens), self._cu_num_logits[: n + 1])
+            _h2d(_host_offsets(host + non_draft), self.query_start_loc[: n + 1])
+            self.query_start_loc[n + 1 :].fill_(num_tokens)
+            return logits, self.query_start_loc, budget
+        # Static shape (all R slots; rows past n drafted nothing), so the
+        # compiled selector never recompiles. Position-major ranking is
+        # unchanged by the padding rows.
+        drafted = self._drafted
+        drafted.zero_()
+        _h2d(drafts, drafted[:n])
+        conf = self._conf_rows
+        conf.fill_(1.0)
+        conf[:n] = self._conf.index_select(0, idx_mapping.long())
+        admitted.copy_(self._select(survival(conf), drafted, budget)[:n])
         own = _h2d(non_draft, self._non_draft[:n])
         # Logits: each request's admitted drafts plus its bonus token; tokens:
         # its admitted drafts plus its own; unused request rows end at the total.
-        logits = _offsets(admitted + self.num_bonus_tokens, self._cu_num_logits)
-        _offsets(admitted + own, self.query_start_loc)
+        logits = self._prefix_sums(admitted + self.num_bonus_tokens, self._cu_num_logits)
+        self._prefix_sums(admitted + own, self.query_start_loc)
         self.query_start_loc[n + 1 :].fill_(num_tokens)
         return logits, self.query_start_loc, budget
 
