@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from vllm_av.core.features import FEATURE_CLIP
+from vllm_av.core.fused import fused_observe
 
 # Defaults, chosen on the labelled traces in shared/data/traces (Qwen2.5-Coder
 # 0.5B -> 1.5B, HumanEval and MT-Bench, K=7), replayed online at batch 1, 8
@@ -320,10 +321,49 @@ class OnlineAcceptanceEstimator:
         num_admitted: [R] drafts verified per request (the rest were trimmed).
         num_accepted: [R] accepted drafts per request (<= num_admitted).
         """
+        self._take(features)
+        self._accumulate(features, num_admitted, num_accepted)
+        self._observed()
+
+    def observe_rows(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        num_admitted: torch.Tensor,
+        num_accepted: torch.Tensor,
+        totals: torch.Tensor | None = None,
+    ) -> None:
+        """`observe` of the features table[rows] (all K positions); rows
+        < 0 are padding and observe nothing. With `totals` ([2] float64),
+        adds the valid rows' accepted and admitted counts to it. On a GPU
+        one kernel (`fused.fused_observe`) instead of the operations of
+        `observe`, which stay its reference."""
+        self._take(table)
+        if not fused_observe(table, rows, num_admitted, num_accepted,
+                             self._theta, self._window, totals):
+            valid = rows >= 0
+            feats = table.index_select(0, rows.clamp(min=0).long())[:, : self.num_positions]
+            zero = torch.zeros_like(num_admitted)
+            adm = torch.where(valid, num_admitted, zero)
+            acc = torch.where(valid, num_accepted, zero)
+            self._accumulate(feats, adm, acc)
+            if totals is not None:
+                totals += torch.stack([acc.sum(), adm.sum()]).to(totals.dtype)
+        self._observed()
+
+    def _observed(self) -> None:
+        """Bookkeeping after a step's statistics were added: the prior's
+        memos are stale, and the refit comes on schedule."""
         self._prior_memo.clear()
         self._prior_host_memo.clear()
+        self.num_steps += 1
+        if self.num_steps % self.refit_interval == 0:
+            self.refit()
+
+    def _accumulate(self, features, num_admitted, num_accepted) -> None:
+        """Add one step's window statistics (the operations `fused_observe`
+        fuses)."""
         k = features.shape[-1]
-        self._take(features)
         f = _clean(features)  # [R, k] float32
         p = torch.sigmoid(self._logits_of(f).double())  # [R, k]
         f64 = f.double()
@@ -341,10 +381,6 @@ class OnlineAcceptanceEstimator:
         self._window[:k] += torch.stack(
             [resid, resid * f64, wt, wt_f, wt_f * f64, m, y, verified, verified * f64], -1
         ).sum(0)
-
-        self.num_steps += 1
-        if self.num_steps % self.refit_interval == 0:
-            self.refit()
 
     def refit(self) -> None:
         """One Newton step from the window (and running precision), then

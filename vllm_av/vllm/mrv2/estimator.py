@@ -17,6 +17,9 @@ at load time and calls, per engine step:
 core: the feature is `vllm_av.core.features.draft_features` (logit(q_max) of
 the temperature-scaled draft distribution; it never reads the sampled token),
 the model and its fit are `vllm_av.core.estimator.OnlineAcceptanceEstimator`.
+On a GPU each call is one Triton kernel (`vllm_av.core.fused`): as torch
+operations `predict` cost about 0.8 ms and `step` about 1 ms of host time
+per call on the H200, against a 2 ms target step at one request.
 
 CUDA graphs: `predict` is captured once and replayed, so everything it reads
 or writes lives in buffers allocated here, never reassigned: the coefficients
@@ -33,6 +36,7 @@ import torch
 
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.features import draft_features
+from vllm_av.core.fused import fused_confidences
 
 # The estimator of this process, per device, for the MRV2 manager (which vLLM
 # builds without a handle on the drafter): new requests get its prior.
@@ -97,6 +101,9 @@ class AcceptanceEstimator:
         confidence_probs: torch.Tensor,  # [max_num_reqs, K] by batch row
         temperature: torch.Tensor,  # [max_num_reqs] by request-state slot
     ) -> None:
+        if fused_confidences(logits, idx_mapping, draft_step, temperature, self._coef,
+                             self.features, confidence_probs):
+            return  # one kernel; the operations below are its reference
         N = logits.shape[0]
         K, R = self.num_speculative_steps, self.max_num_reqs
         dev = logits.device
@@ -146,18 +153,12 @@ class AcceptanceEstimator:
             if not self.verifying:
                 return
             self.verifying = False
-        R = self.max_num_reqs
-        valid = idx_mapping >= 0
-        slot = torch.where(valid, idx_mapping, torch.full_like(idx_mapping, R)).long()
-        feats = self.features.index_select(0, slot)  # [n, K]
-        accepted = (num_sampled.long() - 1).clamp(min=0)
-        verified = accepted + num_rejected.long().clamp(min=0)
-        zero = torch.zeros_like(verified)
-        verified = torch.where(valid, verified, zero)
-        accepted = torch.where(valid, accepted, zero)
-        self.core.observe(feats, verified, accepted)
+        accepted = (num_sampled - 1).clamp(min=0)
+        verified = accepted + num_rejected.clamp(min=0)
+        # Padding rows (idx_mapping -1) observe nothing; on a GPU one kernel.
+        self.core.observe_rows(self.features, idx_mapping, verified, accepted,
+                               totals=self.totals)
         self._coef.copy_(self.core.coefficients)
-        self.totals += torch.stack([accepted.sum(), verified.sum()]).double()
 
     # --------------------------------------------------------------- prior
     def prior_confidences(self) -> torch.Tensor:

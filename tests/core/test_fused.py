@@ -1,0 +1,134 @@
+"""The fused estimator kernels equal the torch operations they replace.
+
+Run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, in a
+subprocess so the setting reaches the kernels' definitions).
+Confidences: logits with a max that rounds q_max to 1, a tied max, a row
+with one finite entry, a padded row, a greedy request, one position for all
+rows and one per row, vocabularies wider than the kernel's block.
+Observation: NaN and out-of-range features, a padding row, admitted counts
+above K and accepted counts above admitted or negative, more requests than
+the kernel's block, four steps across a refit.
+tests/gpu/test_gpu_fused.py runs the same comparison on the device.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = r'''
+import json, os, sys, torch
+DEV = os.environ.get("CHECK_DEVICE", "cpu")
+from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
+from vllm_av.core import fused as fc
+
+def case(N, V, per_row, seed):
+    g = torch.Generator().manual_seed(seed)
+    R, K = 8, 4
+    logits = torch.randn(N, V, generator=g) * 3
+    logits[0, 5] = 60.0            # q_max rounds to 1 in float32
+    if N > 2:
+        logits[2, :] = -float("inf"); logits[2, 7] = 1.0   # one finite entry
+    if N > 3:
+        logits[3, 10] = logits[3, 11] = 50.0               # a tie for the max
+    logits = logits.to(torch.bfloat16)
+    idx = torch.tensor([i % R for i in range(N)], dtype=torch.int32)
+    if N > 1:
+        idx[1] = -1                                        # padding
+    temp = torch.rand(R, generator=g) + 0.3
+    temp[0] = 0.0                                          # greedy
+    # One position per row as parallel drafters lay it out: row i is request
+    # i // K's draft i % K (no two rows write one slot).
+    step = torch.arange(N) % K if per_row else torch.tensor(2)
+    logits, idx, temp, step = (t.to(DEV) for t in (logits, idx, temp, step))
+    out = {}
+    for name, fused in (("fused", True), ("torch", False)):
+        est = AcceptanceEstimator(R, K, DEV, refit_interval=8)
+        est._coef.copy_(torch.tensor([0.7, 0.1, -0.2, 0.3, 0.05]))
+        conf = torch.full((R, K), -1.0, device=DEV)
+        if not fused:
+            fc_saved = fc.fused_confidences
+            import vllm_av.vllm.mrv2.estimator as e
+            e.fused_confidences = lambda *a, **k: False
+            est.predict(logits, idx, step, conf, temp)
+            e.fused_confidences = fc_saved
+        else:
+            est.predict(logits, idx, step, conf, temp)
+        out[name] = (est.features.clone(), conf.clone())
+    df = (out["fused"][0] - out["torch"][0]).abs().max().item()
+    dc = (out["fused"][1] - out["torch"][1]).abs().max().item()
+    return {"N": N, "V": V, "per_row": per_row, "feature_diff": df, "confidence_diff": dc}
+
+rows = [case(5, 1000, False, 0), case(6, 9000, False, 1), case(8, 5000, True, 2), case(1, 300, False, 3)]
+print(json.dumps(rows))
+
+# ---- observe: the fused kernel against the core's torch operations
+from vllm_av.core.estimator import OnlineAcceptanceEstimator
+import vllm_av.core.estimator as ce
+
+def observe_case(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    R, K = 12, 5
+    table = torch.randn(R + 1, K, generator=g) * 4
+    table[0, 1] = float("nan"); table[1, 2] = 80.0          # cleaned: 0, clipped
+    rows = torch.randint(0, R, (n,), generator=g, dtype=torch.int32)
+    rows[0] = -1                                              # padding
+    adm = torch.randint(0, K + 3, (n,), generator=g, dtype=torch.int32)   # some > K
+    acc = torch.randint(-1, K + 2, (n,), generator=g, dtype=torch.int32)  # some > admitted
+    table, rows, adm, acc = (t.to(DEV) for t in (table, rows, adm, acc))
+    res = {}
+    for name in ("fused", "torch"):
+        est = OnlineAcceptanceEstimator(K, refit_interval=3, intercept=[0.1, -0.3, 0.2, 0.0, 0.4],
+                                        device=DEV)
+        totals = torch.zeros(2, dtype=torch.float64, device=DEV)
+        saved = ce.fused_observe
+        if name == "torch":
+            ce.fused_observe = lambda *a, **k: False
+        for _ in range(4):   # crosses a refit (interval 3)
+            est.observe_rows(table, rows, adm, acc, totals=totals)
+        ce.fused_observe = saved
+        res[name] = (est._window.clone(), est._theta.clone(), totals.clone(), est.num_refits)
+    return {"observe_n": n,
+            "window_diff": (res["fused"][0] - res["torch"][0]).abs().max().item(),
+            "theta_diff": (res["fused"][1] - res["torch"][1]).abs().max().item(),
+            "totals_diff": (res["fused"][2] - res["torch"][2]).abs().max().item(),
+            "refits": [res["fused"][3], res["torch"][3]],
+            "window_abs": res["torch"][0].abs().max().item()}
+
+print(json.dumps([observe_case(7, 0), observe_case(300, 1)]))
+'''
+
+
+@pytest.fixture(scope="module")
+def compared():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-2]), json.loads(lines[-1])
+
+
+def test_fused_confidences_write_what_the_torch_operations_write(compared):
+    rows = compared[0]
+    assert len(rows) == 4
+    for row in rows:
+        # float32 logsumexp against the kernel's two-pass sum: a few ulps.
+        assert row["feature_diff"] < 1e-5, row
+        assert row["confidence_diff"] < 1e-6, row
+
+
+def test_fused_observe_adds_the_window_statistics_of_the_torch_operations(compared):
+    rows = compared[1]
+    assert len(rows) == 2
+    for row in rows:
+        # float64 sums in another order: relative 1e-12 of the largest entry.
+        assert row["window_diff"] <= 1e-12 * max(1.0, row["window_abs"]), row
+        assert row["theta_diff"] < 1e-6 and row["totals_diff"] == 0.0, row
+        assert row["refits"] == [1, 1], row
