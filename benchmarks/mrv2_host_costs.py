@@ -27,7 +27,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from datetime import date
 from pathlib import Path
 
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_av.core.selector import DevicePrefixSums  # noqa: E402
 import vllm_av.core.estimator as core_estimator  # noqa: E402
+from benchmarks.admission_syncs import count_syncs  # noqa: E402
 import vllm_av.vllm.mrv2.estimator as mrv2_estimator  # noqa: E402
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
 
@@ -46,17 +46,12 @@ MAX_REQS = 256
 
 
 def count_waits(fn) -> int:
-    """Synchronising calls `fn` makes, as torch's sync debug mode reports them."""
+    """Synchronising calls `fn` makes, as torch's sync debug mode reports
+    them, with nothing of earlier calls still in flight."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    n = count_syncs(fn)
     torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    return n
 
 
 def cumsum_into(counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

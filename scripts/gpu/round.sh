@@ -106,6 +106,9 @@ av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
   log "tests/gpu/test_gpu_av.py ${AV_TESTS:+(-k $AV_TESTS)}"
   timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_av.py ${AV_TESTS:+-k "$AV_TESTS"} > "$RES/tests_gpu_av.log" 2>&1
   log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
+  # The fused estimator kernels against their torch operations (seconds).
+  timeout 300 python3 -m pytest -v -s tests/gpu/test_gpu_fused.py > "$RES/tests_gpu_fused.log" 2>&1
+  log "tests/gpu fused exit $?"
 }
 
 lossless_test() {  # on $CUDA_VISIBLE_DEVICES
