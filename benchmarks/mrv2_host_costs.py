@@ -12,7 +12,8 @@ Core only (no vLLM; the device's own torch does): on one GPU,
     inside the timed loop) and device time (CUDA events) of the
     estimator's `predict` (once per draft position) and `step` (once per
     drafting step), each as one Triton kernel (`vllm_av.core.fused`, what
-    serves) and as the torch operations it replaces (`_torch`), and of
+    serves) and
+    as the torch operations it replaces (`_torch`), and of
     `prior_confidences` (once per drafting step, by the V2 manager), at
     R = 1, 16, 64, 256 requests, K = 7, the real pair's vocabulary
     (151,936) in bfloat16.

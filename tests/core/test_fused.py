@@ -4,7 +4,8 @@ Run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, in a
 subprocess so the setting reaches the kernels' definitions).
 Confidences: logits with a max that rounds q_max to 1, a tied max, a row
 with one finite entry, a padded row, a greedy request, one position for all
-rows and one per row, vocabularies wider than the kernel's block.
+rows and one per row, vocabularies of several blocks with a tie for the
+max across blocks and a max in the last block.
 Observation: NaN and out-of-range features, a padding row, admitted counts
 above K and accepted counts above admitted or negative, more requests than
 the kernel's block, four steps across a refit.
@@ -37,6 +38,9 @@ def case(N, V, per_row, seed):
         logits[2, :] = -float("inf"); logits[2, 7] = 1.0   # one finite entry
     if N > 3:
         logits[3, 10] = logits[3, 11] = 50.0               # a tie for the max
+    if N > 5:
+        logits[4, 100] = logits[4, V - 2] = 40.0           # a tie across blocks
+        logits[5, 3], logits[5, V - 1] = 44.0, 45.0        # the max comes last
     logits = logits.to(torch.bfloat16)
     idx = torch.tensor([i % R for i in range(N)], dtype=torch.int32)
     if N > 1:
@@ -65,7 +69,8 @@ def case(N, V, per_row, seed):
     dc = (out["fused"][1] - out["torch"][1]).abs().max().item()
     return {"N": N, "V": V, "per_row": per_row, "feature_diff": df, "confidence_diff": dc}
 
-rows = [case(5, 1000, False, 0), case(6, 9000, False, 1), case(8, 5000, True, 2), case(1, 300, False, 3)]
+rows = [case(5, 1000, False, 0), case(6, 20000, False, 1), case(8, 9000, True, 2), case(1, 300, False, 3),
+        case(3, 30000, False, 4)]
 print(json.dumps(rows))
 
 # ---- observe: the fused kernel against the core's torch operations
@@ -102,6 +107,9 @@ def observe_case(n, seed):
             "window_abs": res["torch"][0].abs().max().item()}
 
 print(json.dumps([observe_case(7, 0), observe_case(300, 1)]))
+# Kernels that fell back to the torch operations (the comparison above
+# would then compare the torch operations with themselves).
+print(json.dumps({"failures": fc.kernel_failures()}))
 '''
 
 
@@ -112,12 +120,14 @@ def compared():
                          text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    return json.loads(lines[-2]), json.loads(lines[-1])
+    failures = json.loads(lines[-1])["failures"]
+    assert failures == {}, failures
+    return json.loads(lines[-3]), json.loads(lines[-2])
 
 
 def test_fused_confidences_write_what_the_torch_operations_write(compared):
     rows = compared[0]
-    assert len(rows) == 4
+    assert len(rows) == 5
     for row in rows:
         # float32 logsumexp against the kernel's two-pass sum: a few ulps.
         assert row["feature_diff"] < 1e-5, row
@@ -132,3 +142,26 @@ def test_fused_observe_adds_the_window_statistics_of_the_torch_operations(compar
         assert row["window_diff"] <= 1e-12 * max(1.0, row["window_abs"]), row
         assert row["theta_diff"] < 1e-6 and row["totals_diff"] == 0.0, row
         assert row["refits"] == [1, 1], row
+
+
+def test_a_kernel_that_fails_to_launch_falls_back_to_the_torch_operations(monkeypatch):
+    """Outside the interpreter a build or launch error is logged once and
+    the torch operations serve from then on."""
+    from vllm_av.core import fused
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                raise RuntimeError("no such PTX version")
+            return launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fused, "_FAILED", {})
+    assert fused._launch("confidence", Broken(), (1,)) is False
+    assert "no such PTX version" in fused.kernel_failures()["confidence"]
+    # Not tried again: the next call returns at once.
+    assert fused._launch("confidence", object(), (1,)) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused, "_FAILED", {})
+    with pytest.raises(RuntimeError):
+        fused._launch("observe", Broken(), (1,))

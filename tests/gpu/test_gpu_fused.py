@@ -31,8 +31,10 @@ def test_fused_kernels_on_cuda_match_the_torch_operations():
                          text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    confidences, observed = json.loads(lines[-2]), json.loads(lines[-1])
-    print(json.dumps({"confidences": confidences, "observe": observed}))
+    failures = json.loads(lines[-1])["failures"]
+    confidences, observed = json.loads(lines[-3]), json.loads(lines[-2])
+    print(json.dumps({"confidences": confidences, "observe": observed, "failures": failures}))
+    assert failures == {}, failures  # the kernels ran: not torch against torch
     for row in confidences:
         # Device exp/log against torch's: a few float32 ulps of a feature <= 30.
         assert row["feature_diff"] < 1e-4 and row["confidence_diff"] < 1e-5, row
