@@ -334,3 +334,23 @@ def test_model_runner_v1_only_options_are_named_when_set_on_v2():
     assert v1_only_options_set(AVOptions(drafter_catch_up=True)) == ["drafter_catch_up"]
     assert v1_only_options_set(AVOptions(drafter_catch_up=True, skip_draft_layer_metadata=True)) \
         == ["drafter_catch_up", "skip_draft_layer_metadata"]
+
+
+def test_prior_confidences_are_kept_between_refits_and_follow_each_refit():
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    first = est.prior_confidences()
+    idx = torch.arange(2, dtype=torch.int32)
+    est.step(idx, torch.tensor([K + 1, 1], dtype=torch.int32), torch.tensor([0, K], dtype=torch.int32))
+    assert est.prior_confidences() is first  # one step: no refit, the same tensor
+    est.step(idx, torch.tensor([K + 1, 1], dtype=torch.int32), torch.tensor([0, K], dtype=torch.int32))
+    assert est.core.num_refits == 1
+    after = est.prior_confidences()
+    assert after is not first
+    # The rates of the refitted estimator's prior survival.
+    surv = est.core.prior_survival(K).float()
+    prev = torch.cat([torch.ones(1), surv[:-1]])
+    torch.testing.assert_close(after, torch.where(prev > 0, surv / prev, torch.zeros_like(surv)))
+    # Half the drafts of the two steps were all accepted, half rejected at
+    # the first slot: the first rate is 1/2, not the prior's.
+    assert abs(float(after[0]) - float(first[0])) > 0.05 and abs(float(after[0]) - 0.5) < 0.05
+    del est

@@ -87,6 +87,7 @@ class AcceptanceEstimator:
         # a step with no drafts has no outcome to learn from.
         self._only_verified = False
         self.verifying = False
+        self._prior: tuple[int, torch.Tensor] | None = None  # (core refits, rates)
         _LIVE[_key(self.device)] = weakref.ref(self)
 
     def observe_only_verified_steps(self) -> None:
@@ -163,10 +164,21 @@ class AcceptanceEstimator:
     # --------------------------------------------------------------- prior
     def prior_confidences(self) -> torch.Tensor:
         """[K] conditional acceptance rates for a request with no history:
-        the ratios of the core estimator's prior survival (on device)."""
-        surv = self.core.prior_survival(self.num_speculative_steps).float()  # [K]
-        prev = torch.cat([surv.new_ones(1), surv[:-1]])
-        return torch.where(prev > 0, surv / prev.clamp(min=1e-30), torch.zeros_like(surv))
+        the ratios of the core estimator's prior survival (on device).
+
+        Computed once per refit of the core estimator and kept until the
+        next (read-only: callers copy from it). The MRV2 manager copies it
+        every drafting step and the depth patch reads it for slots not
+        drafted; recomputed each time it was some twenty launches per
+        step (`benchmarks/mrv2_step_launches.py`), for a prior that moves
+        with the window's label counts only."""
+        refits = self.core.num_refits
+        if self._prior is None or self._prior[0] != refits:
+            surv = self.core.prior_survival(self.num_speculative_steps).float()  # [K]
+            prev = torch.cat([surv.new_ones(1), surv[:-1]])
+            rates = torch.where(prev > 0, surv / prev.clamp(min=1e-30), torch.zeros_like(surv))
+            self._prior = (refits, rates)
+        return self._prior[1]
 
     @property
     def coefficients(self) -> torch.Tensor:
