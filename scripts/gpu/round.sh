@@ -109,6 +109,10 @@ av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
   # The fused estimator kernels against their torch operations (seconds).
   timeout 300 python3 -m pytest -v -s tests/gpu/test_gpu_fused.py > "$RES/tests_gpu_fused.log" 2>&1
   log "tests/gpu fused exit $?"
+  # Host time and waits of those kernels and the verify layout (seconds).
+  timeout 300 python3 benchmarks/mrv2_host_costs.py --out "$RES/mrv2_host_costs_h200.json" \
+    > "$RES/mrv2_host_costs.log" 2>&1
+  log "mrv2_host_costs exit $?"
 }
 
 lossless_test() {  # on $CUDA_VISIBLE_DEVICES
