@@ -631,3 +631,23 @@ def test_served_step_periods_price_what_a_step_costs_beyond_its_forwards():
     before = v.cost.verify_cost(2)
     v.observe_step_period(K, 1, 0.5)
     assert v.cost.verify_cost(2) == before
+
+
+def test_exploration_time_share_counts_the_verification_of_its_drafts():
+    # Drafting is cheap (0.5 ms for all K) but verifying R * K more tokens
+    # costs 9 ms more than a plain 1 ms step: the full-depth step's extra
+    # time is mostly verification, which the share must count.
+    R, steps = 4, 3000
+    verify = {1: [1.0], R: [1.0], R * (K + 1): [10.0]}
+    v = _verifier(draft_ms=0.5, verify=verify)
+    depths = _depths(v, R, steps, accept_first=False)
+
+    def step_ms(d):
+        c = v.cost
+        own = float(c.plain_verify_cost(R)) if d == 0 else float(c.verify_cost(R + R * d))
+        return own + float(c.draft_cost_at_depth(R, d, K))
+
+    total = sum(step_ms(d) for d in depths)
+    explore = sum(step_ms(K) - step_ms(0) for d in depths if d == K)
+    assert depths.count(K) >= 1
+    assert explore / total <= EXPLORE_MAX_TIME_SHARE * 1.2, (explore / total, depths.count(K))

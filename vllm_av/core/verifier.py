@@ -171,7 +171,8 @@ INITIAL_SLOTS = 64
 # a full drafting step.
 EXPLORE_MIN_INTERVAL = 8
 # ... and, where a full-depth step costs much more than the chosen one (a
-# costly drafter), no more than this share of the time goes to exploring.
+# costly drafter, or verifying R * K more tokens at a large batch), no more
+# than this share of the time goes to exploring.
 EXPLORE_MAX_TIME_SHARE = 0.05
 # ... or this share where even drafts that were all accepted could not make
 # a full-depth step pay (then exploring can only confirm that; it is kept
@@ -400,13 +401,17 @@ class AdaptiveVerifier:
             K = self.K
             draft_d = float(self.cost.draft_cost_at_depth(R, d, K))
             draft_k = float(self.cost.draft_cost_at_depth(R, K, K))
-            base = float(self.cost.plain_verify_cost(num_other_tokens)) + draft_d
-            extra = draft_k - draft_d
+            own = (self.cost.plain_verify_cost(num_other_tokens) if d == 0
+                   else self.cost.verify_cost(num_other_tokens + R * d))
+            base = float(own) + draft_d
+            full = float(self.cost.verify_cost(num_other_tokens + R * K)) + draft_k
+            # What a full-depth step costs over the chosen one: its drafting
+            # and the verification of its R * K drafts.
+            extra = full - base
             if base > 0 and extra > 0:
                 # Tokens per ms at depth K if every draft were accepted,
                 # against depth d with none accepted (a lower bound).
-                best_k = (num_other_tokens + R * K) / (
-                    float(self.cost.verify_cost(num_other_tokens + R * K)) + draft_k)
+                best_k = (num_other_tokens + R * K) / full
                 hopeless = best_k <= num_other_tokens / base
                 share = EXPLORE_HOPELESS_TIME_SHARE if hopeless else EXPLORE_MAX_TIME_SHARE
                 interval = max(interval, int(np.ceil(extra / (share * base))))
