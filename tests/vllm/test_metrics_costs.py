@@ -88,3 +88,22 @@ def test_the_drafter_catch_up_counter_shows_when_given(tmp_path):
     write_snapshot(str(tmp_path), _verifier(), extra={"catch_up_tokens": 1152})
     fam = _families(tmp_path)["vllm_av:drafter_catch_up_tokens"]
     assert [s.value for s in fam.samples if s.name.endswith("_total")] == [1152]
+
+
+def test_depths_chosen_show_per_depth(tmp_path):
+    # A drafter that costs 10x a plain step: the policy drafts nothing,
+    # except where a floor holds the depth at K; /metrics counts both.
+    cost = CostModel.from_samples({1: [1.0], 64: [1.0]}, {1: [10.0]}, graph_sizes=[])
+    v = AdaptiveVerifier(K, cost, OnlineAcceptanceEstimator(K))
+    write_snapshot(str(tmp_path), v)
+    assert _families(tmp_path)["vllm_av:depth_chosen_steps"].samples == []
+    ids = ["a", "b"]
+    chosen = [v.choose_depth(ids, num_sampling=2, num_other_tokens=2, min_depth=K if i % 4 == 0
+                             else 0) for i in range(40)]
+    write_snapshot(str(tmp_path), v)
+    fams = _families(tmp_path)
+    by_depth = {s.labels["depth"]: s.value for s in fams["vllm_av:depth_chosen_steps"].samples
+                if s.name.endswith("_total")}
+    assert sorted(by_depth) == [str(d) for d in range(K + 1)]
+    assert {d: by_depth[str(d)] for d in range(K + 1)} == {d: chosen.count(d) for d in range(K + 1)}
+    assert by_depth["0"] == v.stats.zero_depth_steps >= 20 and by_depth[str(K)] >= 10

@@ -205,6 +205,7 @@ def test_depth_steps_reach_metrics_without_any_budgeted_step(tmp_path, verifier_
     assert m.stats.num_steps == 0  # nothing was budgeted
     snap = read_snapshot(str(tmp_path))
     assert snap and snap["depth_steps"] == 3 and snap["zero_depth_steps"] == 3
+    assert snap["depth_counts"] == [3] + [0] * K  # per depth 0..K
 
 
 def test_without_scheduled_depth_the_manager_drafts_k(tmp_path, verifier_slot):

@@ -66,11 +66,20 @@ class VerifierStats:
     last_depth: int = 0
     depth_steps: int = 0
     zero_depth_steps: int = 0
+    # Steps at each depth 0..K (what /metrics shows per depth).
+    depth_counts: list = field(default_factory=list)
     # Per position: sum of predicted conditional acceptance and of observed
     # labels over labelled slots, and the label count (calibration).
     predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
     observed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+def count_depth(counts: list, depth: int, K: int) -> None:
+    """One more step at `depth` in a per-depth tally of K + 1 entries."""
+    if len(counts) < K + 1:
+        counts.extend([0] * (K + 1 - len(counts)))
+    counts[depth] += 1
 
 
 def _to_device(values: np.ndarray, device) -> torch.Tensor:
@@ -348,6 +357,7 @@ class AdaptiveVerifier:
         s.last_depth = d
         s.depth_steps += 1
         s.zero_depth_steps += int(d == 0)
+        count_depth(s.depth_counts, d, K)
         return d
 
     def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:

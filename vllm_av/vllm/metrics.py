@@ -36,6 +36,7 @@ def snapshot(verifier, extra: dict | None = None) -> dict:
         "depth": s.last_depth,
         "depth_steps": s.depth_steps,
         "zero_depth_steps": s.zero_depth_steps,
+        "depth_counts": list(getattr(s, "depth_counts", [])),
         "slope": est.slope,
         "intercepts": est.intercepts,
         "predicted": s.predicted.tolist(),
@@ -105,6 +106,14 @@ class AVCollector:
             f"{PREFIX}zero_depth_steps", "Steps that chose to draft nothing (depth 0)",
             value=snap.get("zero_depth_steps", 0),
         )
+        by_depth = CounterMetricFamily(
+            f"{PREFIX}depth_chosen_steps",
+            "Steps whose drafting depth was chosen adaptively, per depth",
+            labels=["depth"],
+        )
+        for depth, n in enumerate(snap.get("depth_counts", [])):
+            by_depth.add_metric([str(depth)], n)
+        yield by_depth
         if "catch_up_tokens" in snap:
             yield CounterMetricFamily(
                 f"{PREFIX}drafter_catch_up_tokens",

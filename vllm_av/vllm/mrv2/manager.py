@@ -48,6 +48,7 @@ from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.selector import DevicePrefixSums, compiled_select_admitted, select_admitted
 from vllm_av.core.survival import survival
+from vllm_av.core.verifier import count_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
@@ -77,6 +78,7 @@ class ManagerStats:
     depth_steps: int = 0
     zero_depth_steps: int = 0
     last_depth: int = -1
+    depth_counts: list = field(default_factory=list)  # steps at each depth 0..K
 
 
 class _StaleSlot:
@@ -375,6 +377,7 @@ class AVManager:
         st.last_depth = d
         st.depth_steps += 1
         st.zero_depth_steps += int(d == 0)
+        count_depth(st.depth_counts, d, self.num_speculative_steps)
         self._maybe_write_metrics()
         return d
 
@@ -540,7 +543,7 @@ class AVManager:
             admitted=s.admitted, accepted=s.accepted, trimmed=s.trimmed,
             last_budget=s.last_budget, last_depth=K if s.last_depth < 0 else s.last_depth,
             depth_steps=s.depth_steps, zero_depth_steps=s.zero_depth_steps,
-            predicted=np.zeros(K), observed=np.zeros(K), labelled=np.zeros(K),
+            depth_counts=s.depth_counts, predicted=np.zeros(K), observed=np.zeros(K), labelled=np.zeros(K),
         )
         est = SimpleNamespace(slope=coef[0], intercepts=coef[1:])
         return SimpleNamespace(stats=stats, estimator=est)
