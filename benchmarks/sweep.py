@@ -362,6 +362,20 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
+def mean_depth(samples: dict[str, float]) -> float | None:
+    """Mean drafting depth chosen over a run's steps, from the per-depth
+    tally vllm_av:depth_chosen_steps_total{depth="d"}; None when absent."""
+    name = "vllm_av:depth_chosen_steps_total"
+    steps = weighted = 0.0
+    for key, v in samples.items():
+        if key.split("{", 1)[0] != name or 'depth="' not in key:
+            continue
+        d = int(key.split('depth="', 1)[1].split('"', 1)[0])
+        steps += v
+        weighted += d * v
+    return weighted / steps if steps else None
+
+
 def spec_metrics(delta: dict[str, float]) -> dict:
     """Acceptance and AV counters of one run from its /metrics delta."""
     drafts = metric_sum(delta, "vllm:spec_decode_num_drafts_total")
@@ -380,6 +394,7 @@ def spec_metrics(delta: dict[str, float]) -> dict:
         # Adaptive depth: the share of this run's steps that drafted nothing.
         "av_zero_depth_share": _div(metric_sum(delta, "vllm_av:zero_depth_steps_total"),
                                     metric_sum(delta, "vllm_av:depth_steps_total")),
+        "av_mean_depth": mean_depth(delta),
         # Measured / profiled drafting cost after this run (timed steps), at
         # the depth where real drafting is furthest from the start-up profile.
         "av_draft_cost_scale": metric_max(delta, "vllm_av:draft_cost_scale"),
@@ -595,6 +610,8 @@ def report_markdown(summary: dict) -> str:
              ".2f"),
             ("Share of steps that drafted nothing (ours, adaptive depth; vllm_av:*)",
              "av_zero_depth_share", ".2f"),
+            ("Mean drafting depth chosen per step (ours, adaptive depth; "
+             "vllm_av:depth_chosen_steps)", "av_mean_depth", ".2f"),
             ("Measured / profiled drafting cost, largest over depths (ours; vllm_av:*)",
              "av_draft_cost_scale", ".1f"),
             ("Measured drafting cost of a model-free drafter, ms per step, largest over "

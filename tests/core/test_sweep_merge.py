@@ -28,6 +28,9 @@ vllm_av:draft_tokens_trimmed_total 200.0
 vllm_av:budget 12.0
 vllm_av:depth_steps_total 50.0
 vllm_av:zero_depth_steps_total 10.0
+vllm_av:depth_chosen_steps_total{depth="0"} 10.0
+vllm_av:depth_chosen_steps_total{depth="1"} 30.0
+vllm_av:depth_chosen_steps_total{depth="7"} 10.0
 vllm_av:drafter_catch_up_tokens_total 100.0
 vllm_av:draft_depth 7.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -43,6 +46,9 @@ vllm_av:draft_tokens_trimmed_total 800.0
 vllm_av:budget 40.0
 vllm_av:depth_steps_total 150.0
 vllm_av:zero_depth_steps_total 70.0
+vllm_av:depth_chosen_steps_total{depth="0"} 70.0
+vllm_av:depth_chosen_steps_total{depth="1"} 50.0
+vllm_av:depth_chosen_steps_total{depth="7"} 30.0
 vllm_av:drafter_catch_up_tokens_total 350.0
 vllm_av:draft_depth 0.0
 vllm_av:draft_cost_scale{depth="1"} 4.5
@@ -192,6 +198,8 @@ def test_metrics_delta_subtracts_counters_keeps_gauges_and_drops_created():
     assert m["av_budget"] == 40.0
     # This run's share of depth-0 steps: 60 of its 100 steps.
     assert m["av_zero_depth_share"] == pytest.approx(0.6)
+    # This run's steps: 60 at depth 0, 20 at depth 1, 20 at depth 7.
+    assert m["av_mean_depth"] == pytest.approx((20 * 1 + 20 * 7) / 100)
     assert m["av_draft_cost_scale"] == 11.0  # a gauge: its value after, worst depth
     assert m["av_prefill_step_scale"] == 1.8  # likewise, worst token bucket
     assert m["av_catch_up_tokens"] == 250  # a counter: this run's share
