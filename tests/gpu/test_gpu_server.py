@@ -86,3 +86,11 @@ def test_metrics_show_the_drafting_depth_decision(server):
     steps = values.get("vllm_av:depth_steps_total", 0)
     assert steps > 0
     assert 0 <= values.get("vllm_av:zero_depth_steps_total", -1) <= steps
+    # Per depth: every step at some depth 0..K, the depth-0 tally the same.
+    by_depth = {k: v for k, v in values.items()
+                if k.startswith("vllm_av:depth_chosen_steps_total{")}
+    assert by_depth, sorted(values)
+    # A scrape reads one snapshot: the tallies and the step count agree.
+    assert sum(by_depth.values()) == steps
+    assert values['vllm_av:depth_chosen_steps_total{depth="0"}'] == values.get(
+        "vllm_av:zero_depth_steps_total")

@@ -100,6 +100,11 @@ def test_metrics_expose_av_counters(server):
     assert values["vllm_av:draft_tokens_drafted_total"] > 0
     assert "vllm_av:budget" in values
     assert "vllm_av:draft_depth" in values
+    # The depth decision per step (adaptive depth is on by default): a tally
+    # per depth that adds up to the steps whose depth was chosen.
+    by_depth = {k: v for k, v in values.items()
+                if k.startswith("vllm_av:depth_chosen_steps_total{")}
+    assert by_depth and sum(by_depth.values()) == values["vllm_av:depth_steps_total"] > 0
     assert "vllm_av:estimator_slope" in values
     assert any(k.startswith('vllm_av:estimator_intercept{position="0"}') for k in values)
     assert any(k.startswith('vllm_av:acceptance_observed{position="0"}') for k in values)
