@@ -115,9 +115,10 @@ av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
   log "mrv2_host_costs exit $?"
 }
 
-lossless_test() {  # on $CUDA_VISIBLE_DEVICES
-  log "tests/gpu/test_gpu_lossless.py (T=1 distribution under CUDA graphs: trimmed steps, async scheduling)"
-  timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py > "$RES/tests_gpu_lossless.log" 2>&1
+lossless_test() {  # on $CUDA_VISIBLE_DEVICES; LOSSLESS_TESTS: a pytest -k selection
+  log "tests/gpu/test_gpu_lossless.py (T=1 distribution under CUDA graphs: trimmed steps, async scheduling, MRV2) ${LOSSLESS_TESTS:+(-k $LOSSLESS_TESTS)}"
+  timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py ${LOSSLESS_TESTS:+-k "$LOSSLESS_TESTS"} \
+    > "$RES/tests_gpu_lossless.log" 2>&1
   log "tests/gpu lossless exit $?"; grep -a "p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -6
 }
 
