@@ -44,15 +44,21 @@ class _Drafter:
         raise AssertionError("drafter ran at depth 0")
 
 
-def _manager(R, metrics_dir):
+def cpu_manager(R, metrics_dir) -> AVManager:
+    """An MRV2 AVManager on CPU tensors over R decoding requests r0..r{R-1}
+    (slots 0..R-1, prompts done), adaptive depth on; no cost tables yet."""
     rs = SimpleNamespace(
         num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=R,
         max_num_batched_tokens=8192, req_id_to_index={f"r{i}": i for i in range(R)},
         num_computed_tokens_np=np.full(R, 100, dtype=np.int32),
         prefill_len=SimpleNamespace(np=np.full(R, 10, dtype=np.int32)))
-    m = AVManager(rs, torch.zeros(R + 1, dtype=torch.int32), num_bonus_tokens=1,
-                  max_total_logits=1 << 20,
-                  options=AVOptions(metrics_dir=metrics_dir, scheduled_depth=True))
+    return AVManager(rs, torch.zeros(R + 1, dtype=torch.int32), num_bonus_tokens=1,
+                     max_total_logits=1 << 20,
+                     options=AVOptions(metrics_dir=metrics_dir, scheduled_depth=True))
+
+
+def _manager(R, metrics_dir):
+    m = cpu_manager(R, metrics_dir)
     # The H200's part-2 table in shape: a 1.9 ms one-token step, 170 ms drafting.
     m.set_cost_curves([(1, [170.0]), (256, [171.0])], [(1, [1.9]), (256, [20.0]), (2048, [45.0])])
     return m

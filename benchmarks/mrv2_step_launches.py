@@ -43,9 +43,9 @@ import vllm_av.vllm.mrv2.estimator as mrv2_estimator  # noqa: E402
 from vllm_av.core import fused  # noqa: E402
 from vllm_av.vllm.config import AVOptions  # noqa: E402
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch  # noqa: E402
-from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
+from benchmarks.mrv2_depth_overhead import K as OVERHEAD_K, cpu_manager  # noqa: E402
 
-K = 7
+K = OVERHEAD_K  # 7, as the managers cpu_manager builds
 VOCAB = 4096  # the count does not depend on it
 
 
@@ -110,14 +110,7 @@ class Drafter:
 
 
 def manager(R, metrics_dir):
-    rs = SimpleNamespace(
-        num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=R,
-        max_num_batched_tokens=8192, req_id_to_index={f"r{i}": i for i in range(R)},
-        num_computed_tokens_np=np.full(R, 100, dtype=np.int32),
-        prefill_len=SimpleNamespace(np=np.full(R, 10, dtype=np.int32)))
-    m = AVManager(rs, torch.zeros(R + 1, dtype=torch.int32), num_bonus_tokens=1,
-                  max_total_logits=1 << 20,
-                  options=AVOptions(metrics_dir=metrics_dir, scheduled_depth=True))
+    m = cpu_manager(R, metrics_dir)
     # Verification about free: every draft is admitted.
     m.set_cost_curves([(1, [1.0]), (R, [1.0])], [(1, [2.0]), (8 * R + 8, [2.01])])
     for i in range(R):
