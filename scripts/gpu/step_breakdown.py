@@ -122,6 +122,7 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(m.group(1))}
     return spec, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if m.group(2) else {})
 
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arm", required=True)

@@ -7,7 +7,7 @@ feature per row (`features.draft_features`: logit(q_max) of the
 temperature-scaled draft distribution), a confidence sigmoid(w * f + b_j),
 and writes both where the step reads them. Written as torch operations
 that is some thirty kernel launches per draft position, and on the H200 the
-host spends 0.4-0.8 ms launching them (`benchmarks/mrv2_host_costs.py`),
+host spends 0.36-0.57 ms launching them (`benchmarks/mrv2_host_costs.py`),
 in a step whose GPU work at one request is about 2 ms. `fused_confidences`
 does the same in one Triton kernel, one program per row: logit(q_max) =
 -log(sum over j != argmax of exp(l_j - l_max)), with the max left out of
@@ -23,9 +23,9 @@ token.
 The estimator's observation of a verified step, one kernel per step:
 `fused_observe` gathers each request's features from the table `predict`
 filled, turns its verified and accepted counts into labels and adds the
-window statistics of `OnlineAcceptanceEstimator.observe` (float64), about
-thirty-five launches as torch operations (about 1 ms of host time on the
-H200).
+window statistics of `OnlineAcceptanceEstimator.observe` (float64): 48
+launches as torch operations (`benchmarks/mrv2_step_launches.py --torch`),
+0.48-0.52 ms of host time on the H200.
 
 Each returns False where its kernel cannot run (no CUDA tensor, no Triton,
 an unexpected layout): the caller then runs the torch operations, which

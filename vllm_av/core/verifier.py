@@ -75,8 +75,14 @@ class VerifierStats:
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-def count_depth(counts: list, depth: int, K: int) -> None:
-    """One more step at `depth` in a per-depth tally of K + 1 entries."""
+def record_depth(stats, depth: int, K: int) -> None:
+    """One more step at `depth` in a stats object's depth counters
+    (last_depth, depth_steps, zero_depth_steps and the per-depth tally of
+    K + 1 entries): the verifier's and the MRV2 manager's alike."""
+    stats.last_depth = depth
+    stats.depth_steps += 1
+    stats.zero_depth_steps += int(depth == 0)
+    counts = stats.depth_counts
     if len(counts) < K + 1:
         counts.extend([0] * (K + 1 - len(counts)))
     counts[depth] += 1
@@ -353,11 +359,7 @@ class AdaptiveVerifier:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
         d = int(min(max(d, min_depth), K))
         self._last_depth = d
-        s = self.stats
-        s.last_depth = d
-        s.depth_steps += 1
-        s.zero_depth_steps += int(d == 0)
-        count_depth(s.depth_counts, d, K)
+        record_depth(self.stats, d, K)
         return d
 
     def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:

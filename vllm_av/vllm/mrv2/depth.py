@@ -78,6 +78,17 @@ def _depth_options(speculator) -> tuple[bool, bool]:
     return cached
 
 
+def _propose_steps(speculator, orig, steps: int, *args, **kwargs) -> None:
+    """vLLM's propose with its step count set to `steps` for the call (its
+    decode loop and its one-step early return read it), then K again."""
+    K = speculator.num_speculative_steps
+    speculator.num_speculative_steps = steps
+    try:
+        orig(speculator, *args, **kwargs)
+    finally:
+        speculator.num_speculative_steps = K
+
+
 def _prior_for_undrafted(speculator, num_reqs: int, depth: int) -> None:
     """Slots from `depth` on were not drafted this step: give them the
     estimator's prior (device copy, no sync)."""
@@ -133,17 +144,9 @@ class MRV2DraftDepthPatch(VllmPatch):
             if zero_depth_forward:
                 # Only the first forward, for the drafter's KV cache; the
                 # runner masks its draft (depth 0).
-                self.num_speculative_steps = 1
-                try:
-                    orig(self, input_batch, *args, **kwargs)
-                finally:
-                    self.num_speculative_steps = K
+                _propose_steps(self, orig, 1, input_batch, *args, **kwargs)
             return self.draft_tokens[:n]
-        self.num_speculative_steps = depth
-        try:
-            orig(self, input_batch, *args, **kwargs)
-        finally:
-            self.num_speculative_steps = K
+        _propose_steps(self, orig, depth, input_batch, *args, **kwargs)
         _prior_for_undrafted(self, n, depth)
         return self.draft_tokens[:n]
 

@@ -48,7 +48,7 @@ from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.selector import DevicePrefixSums, compiled_select_admitted, select_admitted
 from vllm_av.core.survival import survival
-from vllm_av.core.verifier import count_depth
+from vllm_av.core.verifier import record_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
@@ -373,11 +373,7 @@ class AVManager:
             self._observe_period(len(req_ids), d, steady=may_explore)
         # Counted here, where the depth is handed to the step (not from the
         # policy's own counts): what /metrics shows is what the steps ran.
-        st = self.stats
-        st.last_depth = d
-        st.depth_steps += 1
-        st.zero_depth_steps += int(d == 0)
-        count_depth(st.depth_counts, d, self.num_speculative_steps)
+        record_depth(self.stats, d, self.num_speculative_steps)
         self._maybe_write_metrics()
         return d
 
