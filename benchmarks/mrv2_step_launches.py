@@ -3,7 +3,7 @@
     python benchmarks/mrv2_step_launches.py --out benchmarks/results/mrv2_step_launches_cpu.json
 
 On a GPU each device operation is a kernel launch, and at small batches a
-launch costs more host time than the device spends on it (about 10-30 us
+launch costs more host time than the device spends on it (about 10-20 us
 each on the H200, `benchmarks/mrv2_host_costs.py`), so their number is
 what our V2 path adds to a drafting step's host time. This counts them on
 the CPU, piece by piece, for one drafting step of `ours_v2` at depth d:
