@@ -107,3 +107,27 @@ def test_depths_chosen_show_per_depth(tmp_path):
     assert sorted(by_depth) == [str(d) for d in range(K + 1)]
     assert {d: by_depth[str(d)] for d in range(K + 1)} == {d: chosen.count(d) for d in range(K + 1)}
     assert by_depth["0"] == v.stats.zero_depth_steps >= 20 and by_depth[str(K)] >= 10
+
+
+def test_a_second_engine_in_the_process_registers_without_clashing(tmp_path, monkeypatch):
+    """Two engines built in one process, each with a snapshot already in its
+    metrics directory: the second must start (prometheus_client refuses a
+    second collector naming the same metrics), and /metrics follows it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import vllm_av.vllm.metrics as metrics
+
+    registry = CollectorRegistry()
+    monkeypatch.setattr("prometheus_client.REGISTRY", registry)
+    monkeypatch.setattr(metrics, "_collector", None)
+    first, second = tmp_path / "first", tmp_path / "second"
+    for directory, drafted in ((first, 3), (second, 5)):
+        directory.mkdir()
+        v = _verifier()
+        v.stats.drafted = drafted
+        write_snapshot(str(directory), v)
+    metrics.register_collector(str(first))
+    metrics.register_collector(str(second))
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE vllm_av:budget gauge") == 1, text
+    assert "vllm_av:draft_tokens_drafted_total 5.0" in text, text

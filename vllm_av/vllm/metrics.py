@@ -180,14 +180,21 @@ PREFILL_GAUGE = (
 )
 
 
-_registered_dirs: set[str] = set()
+_collector: AVCollector | None = None
 
 
 def register_collector(directory: str) -> None:
-    """Register the collector in this process's default registry, once."""
-    if directory in _registered_dirs:
+    """Serve the AV metrics of the engine whose snapshots go to `directory`.
+
+    One collector per process, pointed at the latest engine's directory: a
+    second engine built in the same process (offline `LLM` use) must not
+    register the same metric names again, which prometheus_client refuses
+    at start-up once a snapshot is there to name them."""
+    global _collector
+    if _collector is not None:
+        _collector.directory = directory
         return
     from prometheus_client import REGISTRY
 
-    REGISTRY.register(AVCollector(directory))
-    _registered_dirs.add(directory)
+    _collector = AVCollector(directory)
+    REGISTRY.register(_collector)
