@@ -8,7 +8,8 @@ rows and one per row, vocabularies of several blocks with a tie for the
 max across blocks and a max in the last block.
 Observation: NaN and out-of-range features, a padding row, admitted counts
 above K and accepted counts above admitted or negative, more requests than
-the kernel's block, four steps across a refit.
+the kernel's block, four steps across a refit; and the same from counts as
+rejection sampling reports them (tokens sampled, drafts rejected).
 tests/gpu/test_gpu_fused.py runs the same comparison on the device.
 """
 import json
@@ -77,15 +78,18 @@ print(json.dumps(rows))
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 import vllm_av.core.estimator as ce
 
-def observe_case(n, seed):
+def observe_case(n, seed, sampled=False):
     g = torch.Generator().manual_seed(seed)
     R, K = 12, 5
     table = torch.randn(R + 1, K, generator=g) * 4
     table[0, 1] = float("nan"); table[1, 2] = 80.0          # cleaned: 0, clipped
     rows = torch.randint(0, R, (n,), generator=g, dtype=torch.int32)
     rows[0] = -1                                              # padding
-    adm = torch.randint(0, K + 3, (n,), generator=g, dtype=torch.int32)   # some > K
-    acc = torch.randint(-1, K + 2, (n,), generator=g, dtype=torch.int32)  # some > admitted
+    # Counts: admitted (some > K) and accepted (some > admitted, some < 0);
+    # or, `sampled`, tokens sampled (0: nothing verified) and drafts
+    # rejected (some < 0).
+    adm = torch.randint(0, K + 3, (n,), generator=g, dtype=torch.int32)
+    acc = torch.randint(-1, K + 2, (n,), generator=g, dtype=torch.int32)
     table, rows, adm, acc = (t.to(DEV) for t in (table, rows, adm, acc))
     res = {}
     for name in ("fused", "torch"):
@@ -95,18 +99,20 @@ def observe_case(n, seed):
         saved = ce.fused_observe
         if name == "torch":
             ce.fused_observe = lambda *a, **k: False
+        observe = est.observe_sampled_rows if sampled else est.observe_rows
         for _ in range(4):   # crosses a refit (interval 3)
-            est.observe_rows(table, rows, adm, acc, totals=totals)
+            observe(table, rows, adm, acc, totals=totals)
         ce.fused_observe = saved
         res[name] = (est._window.clone(), est._theta.clone(), totals.clone(), est.num_refits)
-    return {"observe_n": n,
+    return {"observe_n": n, "sampled": sampled,
             "window_diff": (res["fused"][0] - res["torch"][0]).abs().max().item(),
             "theta_diff": (res["fused"][1] - res["torch"][1]).abs().max().item(),
             "totals_diff": (res["fused"][2] - res["torch"][2]).abs().max().item(),
             "refits": [res["fused"][3], res["torch"][3]],
             "window_abs": res["torch"][0].abs().max().item()}
 
-print(json.dumps([observe_case(7, 0), observe_case(300, 1)]))
+print(json.dumps([observe_case(7, 0), observe_case(300, 1), observe_case(7, 2, sampled=True),
+                  observe_case(300, 3, sampled=True)]))
 # Kernels that fell back to the torch operations (the comparison above
 # would then compare the torch operations with themselves).
 print(json.dumps({"failures": fc.kernel_failures()}))
@@ -136,7 +142,7 @@ def test_fused_confidences_write_what_the_torch_operations_write(compared):
 
 def test_fused_observe_adds_the_window_statistics_of_the_torch_operations(compared):
     rows = compared[1]
-    assert len(rows) == 2
+    assert len(rows) == 4 and [r["sampled"] for r in rows] == [False, False, True, True]
     for row in rows:
         # float64 sums in another order: relative 1e-12 of the largest entry.
         assert row["window_diff"] <= 1e-12 * max(1.0, row["window_abs"]), row

@@ -351,6 +351,27 @@ class OnlineAcceptanceEstimator:
                 totals += torch.stack([acc.sum(), adm.sum()]).to(totals.dtype)
         self._observed()
 
+    def observe_sampled_rows(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        totals: torch.Tensor | None = None,
+    ) -> None:
+        """`observe_rows` with the counts as rejection sampling reports
+        them: tokens sampled per request (accepted drafts + 1; 0 when nothing
+        was verified, as for a prompt chunk) and drafts rejected. On a GPU
+        the conversion runs inside the one kernel."""
+        self._take(table)
+        if fused_observe(table, rows, num_sampled, num_rejected, self._theta,
+                         self._window, totals, from_sampled=True):
+            self._observed()
+            return
+        accepted = (num_sampled - 1).clamp(min=0)
+        self.observe_rows(table, rows, accepted + num_rejected.clamp(min=0), accepted,
+                          totals=totals)
+
     def _observed(self) -> None:
         """Bookkeeping after a step's statistics were added: the prior's
         memos are stale, and the refit comes on schedule."""

@@ -184,7 +184,8 @@ def _observe_kernel():
     def observe_kernel(
         table_ptr, table_stride, rows_ptr, adm_ptr, acc_ptr, n,
         theta_ptr, window_ptr, totals_ptr, K, clip,
-        HAS_TOTALS: tl.constexpr, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_TOTALS: tl.constexpr, FROM_SAMPLED: tl.constexpr, NCOL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         k = tl.program_id(0)  # one program per draft position
         w = tl.load(theta_ptr).to(tl.float32)
@@ -205,8 +206,15 @@ def _observe_kernel():
             inb = offs < n
             row = tl.load(rows_ptr + offs, mask=inb, other=-1).to(tl.int64)
             valid = inb & (row >= 0)
-            adm_raw = tl.where(valid, tl.load(adm_ptr + offs, mask=inb, other=0).to(tl.int64), 0)
-            acc_raw = tl.where(valid, tl.load(acc_ptr + offs, mask=inb, other=0).to(tl.int64), 0)
+            first = tl.where(valid, tl.load(adm_ptr + offs, mask=inb, other=0).to(tl.int64), 0)
+            second = tl.where(valid, tl.load(acc_ptr + offs, mask=inb, other=0).to(tl.int64), 0)
+            if FROM_SAMPLED:
+                # (tokens sampled = accepted + 1, drafts rejected) -> counts.
+                acc_raw = tl.maximum(first - 1, 0)
+                adm_raw = acc_raw + tl.maximum(second, 0)
+            else:
+                adm_raw = first
+                acc_raw = second
             tot_acc += acc_raw.to(tl.float64)
             tot_adm += adm_raw.to(tl.float64)
             n_adm = tl.minimum(tl.maximum(adm_raw, 0), K)
@@ -260,11 +268,15 @@ def fused_observe(
     theta: torch.Tensor,  # [1 + K] float32: w, b_0 .. b_{K-1}
     window: torch.Tensor,  # [K, columns] float64, added to
     totals: torch.Tensor | None = None,  # [2] float64: += (accepted, verified)
+    from_sampled: bool = False,
 ) -> bool:
     """Add the window statistics of the requests' verified drafts (padding
     rows add nothing) and, with `totals`, their accepted and verified
-    counts as given. Returns False, having done nothing, where the kernel
-    cannot run."""
+    counts as given. `from_sampled`: the two count arguments are instead
+    the tokens each request sampled (accepted drafts + 1; 0 when none was
+    verified) and its rejected drafts, as rejection sampling reports them,
+    converted in the kernel. Returns False, having done nothing, where the
+    kernel cannot run."""
     if not _usable(table) or table.dim() != 2 or table.stride(-1) != 1:
         return False
     if not (window.is_contiguous() and theta.is_contiguous()) or window.dtype != torch.float64:
@@ -276,7 +288,8 @@ def fused_observe(
         "observe", _observe_kernel(), (K,),
         table, table.stride(0), rows, num_admitted, num_accepted, rows.shape[0],
         theta, window, totals if totals is not None else window, K, FEATURE_CLIP,
-        HAS_TOTALS=totals is not None, NCOL=ncol, BLOCK=OBSERVE_BLOCK,
+        HAS_TOTALS=totals is not None, FROM_SAMPLED=from_sampled, NCOL=ncol,
+        BLOCK=OBSERVE_BLOCK,
     )
 
 

@@ -23,8 +23,9 @@ per call on the H200, against a 2 ms target step at one request.
 
 CUDA graphs: `predict` is captured once and replayed, so everything it reads
 or writes lives in buffers allocated here, never reassigned: the coefficients
-are copied into `_coef` after every `step` (our estimator replaces its
-coefficient tensor at each refit, which a graph would not see). Padded rows
+are copied into `_coef` by the `step` that refitted them (our estimator
+replaces its coefficient tensor at each refit, which a graph would not
+see). Padded rows
 (idx_mapping -1) write to a scratch row. No host sync anywhere.
 """
 
@@ -74,8 +75,9 @@ class AcceptanceEstimator:
         # Feature of each draft slot by request-state slot; row max_num_reqs
         # is the scratch row that padded rows write to.
         self.features = torch.zeros(max_num_reqs + 1, K, dtype=torch.float32, device=self.device)
-        # [w, b_0 .. b_{K-1}], refreshed in place after every step.
+        # [w, b_0 .. b_{K-1}], refreshed in place after each refit.
         self._coef = self.core.coefficients.to(self.device).clone()
+        self._coef_refits = self.core.num_refits
         # Scratch copy of the caller's confidence buffer (the speculator's
         # [max_num_reqs, K] float32 draft_token_confidence_probs) plus one
         # row; allocated here, not during graph capture.
@@ -154,12 +156,12 @@ class AcceptanceEstimator:
             if not self.verifying:
                 return
             self.verifying = False
-        accepted = (num_sampled - 1).clamp(min=0)
-        verified = accepted + num_rejected.clamp(min=0)
         # Padding rows (idx_mapping -1) observe nothing; on a GPU one kernel.
-        self.core.observe_rows(self.features, idx_mapping, verified, accepted,
-                               totals=self.totals)
-        self._coef.copy_(self.core.coefficients)
+        self.core.observe_sampled_rows(self.features, idx_mapping, num_sampled, num_rejected,
+                                       totals=self.totals)
+        if self.core.num_refits != self._coef_refits:  # the coefficients moved
+            self._coef.copy_(self.core.coefficients)
+            self._coef_refits = self.core.num_refits
 
     # --------------------------------------------------------------- prior
     def prior_confidences(self) -> torch.Tensor:
