@@ -198,11 +198,17 @@ def test_zero_and_full_budgets():
     m.cost = CostModel.from_samples({1: [1.0], 64: [1000.0]}, {1: [0.0]})  # verifying hurts
     m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
     m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
-    budget, num_tokens, admitted, cu, _ = _step(m, ids, None, [K, K])
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, None, [K, K])
     assert budget == 0 and num_tokens == 2 and admitted.tolist() == [0, 0]
+    assert qsl[:3].tolist() == [0, 1, 2] and (qsl[3:] == 2).all()
+    assert m._admitted[:2].tolist() == [0, 0]
     m.cost = CostModel.from_samples({1: [1.0], 64: [1.0]}, {1: [0.0]})  # verifying is free
-    budget, num_tokens, admitted, cu, _ = _step(m, ids, None, [K, 2])
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, None, [K, 2])
     assert budget == K + 2 and admitted.tolist() == [K, 2]
+    # The layout sent from the host: offsets of each request's tokens, the
+    # rows past the batch at the total; the device's admitted counts.
+    assert qsl[:3].tolist() == [0, K + 1, K + 4] and (qsl[3:] == K + 4).all()
+    assert num_tokens == K + 4 and m._admitted[:2].tolist() == [K, 2]
 
 
 def test_cost_curves_from_step_timing_samples():

@@ -82,17 +82,28 @@ class ManagerStats:
 
 
 class _StaleSlot:
-    """One of the two host copies: [R + 1, K] confidences by request slot
-    (row R: the prior's conditional rates) and a stats vector."""
+    """One of the two host copies: a stats vector (accepted, verified, the
+    estimator's K + 1 coefficients; float64) and [R + 1, K] confidences by
+    request slot (row R: the prior's conditional rates; float32), laid end
+    to end in one buffer so that a record is one device-to-host copy."""
 
     def __init__(self, R: int, K: int, device: torch.device, pinned: bool) -> None:
-        self.dev = torch.ones(R + 1, K, dtype=torch.float32, device=device)
-        self.host = torch.ones(R + 1, K, dtype=torch.float32, pin_memory=pinned)
+        stats_bytes, conf_bytes = 8 * (K + 3), 4 * (R + 1) * K
+        self.dev_bytes = torch.zeros(stats_bytes + conf_bytes, dtype=torch.uint8, device=device)
+        self.host_bytes = torch.zeros(stats_bytes + conf_bytes, dtype=torch.uint8, pin_memory=pinned)
+
+        def views(buf):
+            return (buf[:stats_bytes].view(torch.float64),
+                    buf[stats_bytes:].view(torch.float32).view(R + 1, K))
+
+        self.stats_dev, self.dev = views(self.dev_bytes)
+        self.stats_host, self.host = views(self.host_bytes)
+        self.dev.fill_(1.0)
+        self.host.fill_(1.0)
         self.np = self.host.numpy()
-        self.stats_dev = torch.zeros(K + 3, dtype=torch.float64, device=device)
-        self.stats_host = torch.zeros(K + 3, dtype=torch.float64, pin_memory=pinned)
         self.event = torch.cuda.Event() if device.type == "cuda" else None
         self.step = -1  # record step whose data this slot holds
+        self.refits = -1  # estimator refit whose prior and coefficients it holds
 
 
 def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
@@ -165,9 +176,16 @@ class AVManager:
         self._conf = torch.ones(R, K, dtype=torch.float32, device=device)
         self._conf_rows = torch.ones_like(self._conf)  # by batch row, for the selector
         self._drafted = torch.zeros(R, dtype=torch.int32, device=device)
-        self._admitted = torch.zeros(R, dtype=torch.int32, device=device)
         self._non_draft = torch.zeros(R, dtype=torch.int32, device=device)
-        self._cu_num_logits = torch.zeros_like(query_start_loc)
+        # Admitted drafts [R], cu_num_logits and a staged query_start_loc
+        # (each the length L of vLLM's query_start_loc), end to end: a layout
+        # known on the host goes over in one copy.
+        L = query_start_loc.numel()
+        self._layout = torch.zeros(R + 2 * L, dtype=query_start_loc.dtype, device=device)
+        self._layout_host = np.zeros(R + 2 * L, dtype=np.int64)
+        self._admitted = self._layout[:R]
+        self._cu_num_logits = self._layout[R : R + L]
+        self._staged_query_start_loc = self._layout[R + L :]
         self._prefix_sums = DevicePrefixSums(R, device)
         self._slots = [_StaleSlot(R, K, device, pinned=cuda) for _ in range(2)]
         self._stale_idx = 0
@@ -293,20 +311,21 @@ class AVManager:
         out.dev[: self.R].copy_(self._conf)
         est = self._estimator()
         if est is not None:
-            out.dev[self.R].copy_(est.prior_confidences())
             out.stats_dev[:2].copy_(est.totals)
-            out.stats_dev[2:].copy_(est.coefficients.double())
+            refits = est.core.num_refits
+            if out.refits != refits:  # the prior and coefficients move at refits only
+                out.dev[self.R].copy_(est.prior_confidences())
+                out.stats_dev[2:].copy_(est.coefficients)
+                out.refits = refits
         out.step = self._record_step
         self._record_step += 1
         if self._copy_stream is None:
-            out.host.copy_(out.dev)
-            out.stats_host.copy_(out.stats_dev)
+            out.host_bytes.copy_(out.dev_bytes)
             return
         main = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(main)
         with torch.cuda.stream(self._copy_stream):
-            out.host.copy_(out.dev, non_blocking=True)
-            out.stats_host.copy_(out.stats_dev, non_blocking=True)
+            out.host_bytes.copy_(out.dev_bytes, non_blocking=True)
             out.event.record()
 
     def _estimator(self):
@@ -492,13 +511,10 @@ class AVManager:
         admitted = self._admitted[:n]
         if budget == 0 or budget == int(drafts.sum()):
             # Every draft or none: the layout is known here, so it goes over
-            # with the step's other host inputs; no device work to wait on.
-            host = drafts if budget else np.zeros_like(drafts)
-            _h2d(host, admitted)
-            logits = _h2d(_host_offsets(host + self.num_bonus_tokens), self._cu_num_logits[: n + 1])
-            _h2d(_host_offsets(host + non_draft), self.query_start_loc[: n + 1])
-            self.query_start_loc[n + 1 :].fill_(num_tokens)
-            return logits, self.query_start_loc, budget
+            # with the step's other host inputs (one copy, then one into
+            # vLLM's query_start_loc); no device work to wait on.
+            self._send_layout(drafts if budget else np.zeros_like(drafts), non_draft, num_tokens)
+            return self._cu_num_logits[: n + 1], self.query_start_loc, budget
         # Static shape (all R slots; rows past n drafted nothing), so the
         # compiled selector never recompiles. Position-major ranking is
         # unchanged by the padding rows.
@@ -516,6 +532,23 @@ class AVManager:
         self._prefix_sums(admitted + own, self.query_start_loc)
         self.query_start_loc[n + 1 :].fill_(num_tokens)
         return logits, self.query_start_loc, budget
+
+    def _send_layout(self, admitted: np.ndarray, non_draft: np.ndarray, num_tokens: int) -> None:
+        """Admitted drafts, cu_num_logits and query_start_loc of a layout
+        decided on the host: filled in `_layout_host`, one copy to the
+        device, one into query_start_loc. Entries past the batch: no
+        drafts, offsets ending at the totals."""
+        n, R, L = admitted.size, self.R, self.query_start_loc.numel()
+        host = self._layout_host
+        host[:R] = 0
+        host[:n] = admitted
+        logits = _host_offsets(admitted + self.num_bonus_tokens)
+        host[R : R + L] = logits[-1]
+        host[R : R + n + 1] = logits
+        host[R + L :] = num_tokens
+        host[R + L : R + L + n + 1] = _host_offsets(admitted + non_draft)
+        _h2d(host, self._layout)
+        self.query_start_loc.copy_(self._staged_query_start_loc)
 
     # ------------------------------------------------------------- metrics
     def _maybe_write_metrics(self) -> None:
