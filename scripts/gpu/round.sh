@@ -96,7 +96,7 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
     --target "$TARGET_MODEL" --draft "$DRAFT_MODEL" \
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
     --concurrency "${CONC:-1,16,32,64,128,256}" --output-len "${OUTPUT_LEN:-256}" \
-    --min-prompts "${MIN_PROMPTS:-8}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
+    --min-prompts "${MIN_PROMPTS:-8}" --waves "${WAVES:-2}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
     --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} "$@" >> "$RES/$RUN.log" 2>&1
   log "sweep $RUN ($arms) on GPU $GPU exit $?"
   python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1

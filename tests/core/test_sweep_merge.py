@@ -167,6 +167,17 @@ def test_num_prompts_is_two_waves_but_at_least_the_minimum():
     assert sweep.num_prompts_for(1) == sweep.MIN_PROMPTS
     assert sweep.num_prompts_for(128) == 256
     assert sweep.num_prompts_for(128, override=10) == 10
+    assert sweep.num_prompts_for(128, waves=4) == 512
+    assert sweep.num_prompts_for(1, min_prompts=8, waves=4) == 8
+
+
+def test_waves_enter_the_fingerprint_only_when_set():
+    """Runs made before --waves keep their fingerprint (they resume and
+    combine); a run with other waves is not comparable with them."""
+    default = sweep.parse_args(["run", "--arms", "ours", "--device", "cpu"])
+    four = sweep.parse_args(["run", "--arms", "ours", "--device", "cpu", "--waves", "4"])
+    assert "waves" not in sweep._fingerprint(default, ["p"])
+    assert sweep._fingerprint(four, ["p"])["waves"] == 4
 
 
 def test_resume_skips_pairs_whose_json_exists_and_parses(tmp_path):
