@@ -299,37 +299,36 @@ def test_factory_returns_ours_only_with_our_options(monkeypatch):
 
 
 # ------------------------------------------------------------- routing
-def test_ngram_is_refused_on_model_runner_v2_where_it_would_run_without_av():
+def test_ngram_is_routed_to_model_runner_v2_with_our_seam():
     """vLLM 0.32's V2 runner builds an AV manager only for speculators that
     carry `enable_adaptive_verification`: its draft-model family sets it,
-    its ngram speculator does not. So the flag on ngram would reach V2's
-    rejection sampler with no manager (plain ngram at full K, failing once a
-    step's logits outgrow one chunk). The premise is checked on vLLM's own
-    classes, so this test fails when vLLM adds the seam for ngram."""
+    its ngram speculator does not (checked on vLLM's own classes, so this
+    fails when vLLM adds the seam and MRV2NgramAVPatch can go). Our patch
+    adds it; the config is routed with our options and a drafting depth of
+    K (adaptive depth is draft_model only on V2)."""
     from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
     from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, DraftModelSpeculator
 
-    from vllm_av.vllm.config_patch import check_mrv2_method, route_mrv2
+    from vllm_av.vllm.config_patch import route_mrv2
+    from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
 
     assert "enable_adaptive_verification" in inspect.getsource(DraftModelSpeculator.__init__)
     assert not issubclass(NgramGPUSpeculator, DraftModelSpeculator)
     assert issubclass(NgramGPUSpeculator, BaseSpeculator)
-    assert "enable_adaptive_verification" not in inspect.getsource(NgramGPUSpeculator)
+    assert "enable_adaptive_verification" not in inspect.getsource(
+        getattr(NgramGPUSpeculator, "_orig___init__", NgramGPUSpeculator.__init__))
     assert "enable_adaptive_verification" not in inspect.getsource(BaseSpeculator)
+    assert MRV2NgramAVPatch in MRV2_PATCHES
 
     def config(method):
         spec = SimpleNamespace(method=method, num_speculative_tokens=7,
                                use_ngram=lambda: method in ("ngram", "ngram_gpu"))
         return SimpleNamespace(speculative_config=spec, additional_config={})
 
-    for method in ("ngram", "ngram_gpu"):
-        with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-            route_mrv2(config(method))
-    # Control: a draft model is routed (our options ride to the workers).
-    check_mrv2_method(config("draft_model").speculative_config)
-    cfg = config("draft_model")
-    route_mrv2(cfg)
-    assert "vllm_av" in cfg.additional_config
+    for method in ("ngram", "draft_model"):
+        cfg = config(method)
+        route_mrv2(cfg)
+        assert cfg.additional_config["vllm_av"]["scheduled_depth"] is (method == "draft_model")
 
 
 def test_model_runner_v1_only_options_are_named_when_set_on_v2():

@@ -114,25 +114,6 @@ def mrv2_available() -> bool:
     return available()
 
 
-def check_mrv2_method(spec) -> None:
-    """Refuse drafters for which Model Runner V2 builds no AV manager.
-
-    vLLM 0.32's V2 runner builds one only when its speculator carries
-    `enable_adaptive_verification`, which the ngram speculator does not
-    (it derives from BaseSpeculator, not DraftModelSpeculator). The flag
-    still reaches V2's rejection sampler, so such an engine serves plain
-    ngram at full K with no AV, and fails outright once a step's logits
-    outgrow the sampler's single chunk (1,766 rows with Qwen2.5's
-    vocabulary: ngram K=7 at 243 requests on the H200)."""
-    if spec.use_ngram():
-        raise ValueError(
-            f"vllm-av: method={spec.method} has no adaptive-verification seam on "
-            "Model Runner V2 in vLLM 0.32 (its ngram speculator builds no AV "
-            f"manager); unset {ENV_MRV2} or set VLLM_USE_V2_MODEL_RUNNER=0 to "
-            "serve it with vllm-av on Model Runner V1"
-        )
-
-
 # Options our Model Runner V1 patches read and V2 has no counterpart for.
 V1_ONLY_OPTIONS = ("drafter_catch_up", "skip_draft_layer_metadata")
 
@@ -151,10 +132,9 @@ def mrv2_schedules_depth(spec, options) -> bool:
 
 def route_mrv2(vllm_config) -> None:
     """Model Runner V2: vLLM's AV machinery stays on (its own checks refuse
-    what it cannot serve, `check_mrv2_method` what it would serve without
-    AV); our options ride to the workers, where our estimator and manager
-    replace vLLM's."""
-    check_mrv2_method(vllm_config.speculative_config)
+    what it cannot serve); our options ride to the workers, where our
+    estimator and manager replace vLLM's (for ngram, MRV2NgramAVPatch gives
+    V2's ngram speculator the seam it lacks)."""
     options = AVOptions.from_env().with_metrics_dir()
     spec = vllm_config.speculative_config
     # Adaptive depth on V2: chosen when scheduled, for the draft-model
@@ -202,10 +182,8 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
         vLLM's own AV machinery engages. On Model Runner V2 (CUDA, opt-in
         with VLLM_AV_MRV2=1) record our options and keep the flag: vLLM's
         AV machinery runs with our estimator and manager in it
-        (vllm_av/vllm/mrv2/patches.py), except for ngram, which V2 would
-        serve without any AV manager and is refused with a message naming
-        V1 (`check_mrv2_method`); otherwise refuse V2 with a message
-        naming the three ways out.
+        (vllm_av/vllm/mrv2/patches.py; ngram through MRV2NgramAVPatch);
+        otherwise refuse V2 with a message naming the three ways out.
     Upstream: a plugin seam for adaptive verification in Model Runner V1, or
         a speculative-config field naming the AV implementation.
     Remove when: vLLM accepts an out-of-tree AV implementation on every runner.

@@ -132,6 +132,22 @@ class AcceptanceEstimator:
         scratch.index_put_((target, step), prob.to(scratch.dtype))
         confidence_probs.copy_(scratch[:R])
 
+    def predict_features(
+        self,
+        features: torch.Tensor,  # [n, K] float32 by batch row, from a model-free drafter
+        idx_mapping: torch.Tensor,  # [n] request-state slot, -1 for padding
+        confidence_probs: torch.Tensor,  # [max_num_reqs, K] by batch row
+    ) -> None:
+        """`predict` for drafters with no draft distribution (ngram): the
+        features come computed, one row per request, every position."""
+        n = features.shape[0]
+        R = self.max_num_reqs
+        # Padded rows land in the scratch row R.
+        slot = torch.where(idx_mapping >= 0, idx_mapping, torch.full_like(idx_mapping, R)).long()
+        self.features.index_copy_(0, slot, features)
+        coef = self._coef
+        confidence_probs[:n].copy_(torch.sigmoid(coef[0] * features + coef[1:]))
+
     def _scratch_for(self, confidence_probs: torch.Tensor) -> torch.Tensor:
         s = self._conf_scratch
         if s is None or s.shape[1:] != confidence_probs.shape[1:] or s.dtype != confidence_probs.dtype:
