@@ -165,8 +165,11 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
         # our graphs (the default of our V2 path).
         if family == "ngram":
-            raise ValueError(f"ngram_{base}: vLLM 0.32's Model Runner V2 builds no AV "
-                             "manager for ngram, so vllm-av refuses it there; use ngram_ours")
+            # ngram on V2 through MRV2NgramAVPatch; no draft model to graph.
+            if base == "ours_v2g":
+                raise ValueError("ngram_ours_v2g: ngram has no draft model to put in "
+                                 "graphs; use ngram_ours_v2")
+            return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1")))
         env = drafter_graphs if base == "ours_v2g" else (
             ("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"), ("VLLM_AV_DRAFTER_GRAPHS", "0"))
         return Arm(name, family, "ours", av_k, env)
@@ -211,7 +214,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
                      f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g_keepkv, ours_v2g_cal, "
                      f"ours_v2g_keepkv_cal, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
-                     f"ngram_k<N>, ngram_ours")
+                     f"ngram_k<N>, ngram_ours, ngram_ours_v2")
 
 
 # ---------------------------------------------------------------- prompts

@@ -104,7 +104,7 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
 
 av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
   log "tests/gpu/test_gpu_av.py ${AV_TESTS:+(-k $AV_TESTS)}"
-  timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_av.py ${AV_TESTS:+-k "$AV_TESTS"} > "$RES/tests_gpu_av.log" 2>&1
+  timeout 1500 python3 -m pytest -v -s tests/gpu/test_gpu_av.py ${AV_TESTS:+-k "$AV_TESTS"} > "$RES/tests_gpu_av.log" 2>&1
   log "tests/gpu av exit $?"; grep -a "exact\|passed\|failed" "$RES/tests_gpu_av.log" | tail -8
   # The fused estimator kernels against their torch operations (seconds).
   timeout 300 python3 -m pytest -v -s tests/gpu/test_gpu_fused.py > "$RES/tests_gpu_fused.log" 2>&1
@@ -168,7 +168,7 @@ main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal
+    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ngram_ours_v2
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
@@ -232,6 +232,12 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
   LANE1=$!
   OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
     ARMS=${ARMS:-ours_v2,nospec,ours_async,nospecv1} QUIET= main_sweep
+  # ARMS_AFTER: a second sweep on GPU 0 once its first is done (RUN_AFTER
+  # names its folder), with the engine test against ours' servers in it.
+  if [[ -n ${ARMS_AFTER:-} ]]; then
+    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_AFTER:-h200_focus_after} ARMS=$ARMS_AFTER QUIET= \
+      main_sweep
+  fi
   wait $LANE1
   log "done"
   touch "$RES/DONE"

@@ -109,8 +109,13 @@ def test_arms_build_the_documented_speculative_configs():
     assert ngram_ours["num_speculative_tokens"] == 5 and ngram_ours["enable_adaptive_verification"]
     assert dict(sweep.make_arm("ours_v2").env) == {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
                                                    "VLLM_AV_DRAFTER_GRAPHS": "0"}
-    with pytest.raises(ValueError, match="no AV"):
-        sweep.make_arm("ngram_ours_v2")  # refused by vllm-av on Model Runner V2
+    # ngram on Model Runner V2: ours through MRV2NgramAVPatch, no drafter graphs.
+    ngram_v2 = sweep.make_arm("ngram_ours_v2")
+    assert ngram_v2.role == "ours" and ngram_v2.family == "ngram"
+    assert dict(ngram_v2.env) == {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1"}
+    assert ngram_v2.speculative_config("D")["enable_adaptive_verification"] is True
+    with pytest.raises(ValueError, match="ngram_ours_v2"):
+        sweep.make_arm("ngram_ours_v2g")
     # The V2 drafter in our FULL graphs: fixed K without AV, and ours.
     graphs_env = {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_DRAFTER_GRAPHS": "1"}
     k3g = sweep.make_arm("k3g")
