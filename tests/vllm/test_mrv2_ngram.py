@@ -194,3 +194,20 @@ def test_reach_features_are_log1p_on_the_matched_slots_and_zero_past_them():
     assert torch.equal(f[0], torch.zeros(5))
     assert torch.allclose(f[1], torch.tensor([1.0986, 1.0986, 0, 0, 0]), atol=1e-4)
     assert torch.allclose(f[2], torch.full((5,), 1.7918), atol=1e-4)
+
+
+def test_patched_methods_take_vllms_arguments():
+    """The replacements forward by name: they must take exactly vLLM
+    0.32's parameters, in order, with the same defaults."""
+    import inspect
+
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
+
+    from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
+
+    for name in MRV2NgramAVPatch.attributes:
+        original = getattr(NgramGPUSpeculator, f"_orig_{name}", getattr(NgramGPUSpeculator, name))
+        theirs = inspect.signature(inspect.unwrap(original)).parameters
+        ours = inspect.signature(getattr(MRV2NgramAVPatch, name)).parameters
+        assert [(p.name, p.default) for p in ours.values()] == \
+            [(p.name, p.default) for p in theirs.values()], name

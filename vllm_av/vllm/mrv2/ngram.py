@@ -110,9 +110,11 @@ class MRV2NgramAVPatch(VllmPatch):
                 dummy_run=False, skip_attn_for_dummy_run=False, mm_inputs=None,
                 is_profile=False, num_speculative_tokens=None):
         est = self.acceptance_estimator
+        n = input_batch.num_reqs
+        idx = input_batch.idx_mapping[:n]
         if est is not None and not dummy_run:
             # The features the verdict grades are the previous propose's.
-            est.step(input_batch.idx_mapping, num_sampled, num_rejected)
+            est.step(idx, num_sampled[:n], num_rejected[:n])
         drafts = type(self)._orig_propose(
             self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
             aux_hidden_states, num_sampled, num_rejected, last_sampled,
@@ -122,8 +124,6 @@ class MRV2NgramAVPatch(VllmPatch):
             num_speculative_tokens=num_speculative_tokens,
         )
         if est is not None and not dummy_run:
-            n = input_batch.num_reqs
-            idx = input_batch.idx_mapping
             reach = ngram_reach(self.scratch[:n], self.req_states.total_len.gpu[idx.long()],
                                 num_sampled[:n], self.max_model_len, self.num_speculative_steps)
             est.predict_features(reach_features(reach, self.num_speculative_steps), idx,
