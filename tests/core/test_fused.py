@@ -13,8 +13,6 @@ rejection sampling reports them (tokens sampled, drafts rejected).
 tests/gpu/test_gpu_fused.py runs the same comparison on the device.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from interpreted import run_interpreted  # noqa: E402
 
 CHECK = r'''
 import json, os, sys, torch
@@ -121,11 +121,7 @@ print(json.dumps({"failures": fc.kernel_failures()}))
 
 @pytest.fixture(scope="module")
 def compared():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
+    lines = run_interpreted(CHECK)
     failures = json.loads(lines[-1])["failures"]
     assert failures == {}, failures
     return json.loads(lines[-3]), json.loads(lines[-2])

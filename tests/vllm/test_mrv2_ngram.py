@@ -14,8 +14,6 @@ estimator before drafting.
 """
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +23,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from interpreted import run_interpreted  # noqa: E402
 from vllm_av.vllm.mrv2.ngram import reach_features  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = r'''
 import json, random, sys, types
@@ -149,11 +147,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def checked():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(CHECK)[-1])
 
 
 def test_reach_decoded_from_vllms_scan_is_the_brute_force_match(checked):
