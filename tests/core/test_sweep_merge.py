@@ -251,10 +251,13 @@ def test_ratios_use_the_best_fixed_k_per_metric(run_dir):
 
 def test_ngram_family_compares_within_itself_and_falls_back_to_nospec(tmp_path):
     for arm, thr, tpot in [("nospec", 100, 10), ("ngram_k3", 120, 9), ("ngram_k7", 110, 8),
-                           ("ngram_ours", 130, 8)]:
+                           ("ngram_ours", 130, 8), ("ngram_ours_v2", 140, 8)]:
         write(tmp_path, fake_result(arm, 4, thr, tpot))
     e = sweep.merge(tmp_path, write=False)["ratios"]["t1"]["4"]
     assert e["ngram_ours/best_fixed"]["output_throughput"]["arm"] == "ngram_k3"
+    # Ours on each runner gets its own ratios against the same baselines.
+    assert e["ngram_ours_v2/best_fixed"]["output_throughput"]["value"] == pytest.approx(140 / 120)
+    assert e["ngram_ours_v2/nospec"]["output_throughput"]["value"] == pytest.approx(1.4)
     assert e["ngram_ours/best_fixed"]["tps_user"]["arm"] == "ngram_k7"
     assert e["ngram_ours/nospec"]["output_throughput"]["value"] == pytest.approx(1.3)
     assert "ngram_ours/vllm_av" not in e
