@@ -44,15 +44,16 @@ class _Drafter:
         raise AssertionError("drafter ran at depth 0")
 
 
-def cpu_manager(R, metrics_dir) -> AVManager:
-    """An MRV2 AVManager on CPU tensors over R decoding requests r0..r{R-1}
-    (slots 0..R-1, prompts done), adaptive depth on; no cost tables yet."""
+def cpu_manager(R, metrics_dir, device="cpu") -> AVManager:
+    """An MRV2 AVManager on CPU tensors (or `device`'s) over R decoding
+    requests r0..r{R-1} (slots 0..R-1, prompts done), adaptive depth on; no
+    cost tables yet."""
     rs = SimpleNamespace(
-        num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=R,
+        num_speculative_steps=K, device=torch.device(device), max_num_reqs=R,
         max_num_batched_tokens=8192, req_id_to_index={f"r{i}": i for i in range(R)},
         num_computed_tokens_np=np.full(R, 100, dtype=np.int32),
         prefill_len=SimpleNamespace(np=np.full(R, 10, dtype=np.int32)))
-    return AVManager(rs, torch.zeros(R + 1, dtype=torch.int32), num_bonus_tokens=1,
+    return AVManager(rs, torch.zeros(R + 1, dtype=torch.int32, device=device), num_bonus_tokens=1,
                      max_total_logits=1 << 20,
                      options=AVOptions(metrics_dir=metrics_dir, scheduled_depth=True))
 

@@ -13,10 +13,16 @@ Core only (no vLLM; the device's own torch does): on one GPU,
     estimator's `predict` (once per draft position) and `step` (once per
     drafting step), each as one Triton kernel (`vllm_av.core.fused`, what
     serves) and
-    as the torch operations it replaces (`_torch`), and of
-    `prior_confidences` (once per drafting step, by the V2 manager), at
-    R = 1, 16, 64, 256 requests, K = 7, the real pair's vocabulary
-    (151,936) in bfloat16.
+    as the torch operations it replaces (`_torch`), of
+    `prior_confidences` (once per drafting step, by the V2 manager), and of
+    the V2 manager's two per-step pieces: its record of the confidences
+    (`manager_record`: one copy to the host on a side stream) and the
+    layout of a step whose drafts are all verified (`manager_layout`: the
+    budget on the host, then one copy to the device and one into
+    query_start_loc), at R = 1, 16, 64, 256 requests, K = 7, the real
+    pair's vocabulary (151,936) in bfloat16. The record waits once by
+    design, on the event of the copy it started a step earlier (done by
+    then in a served step); anything more is a wait to remove.
 
 On an idle GPU a piece that launches faster than the device runs it costs
 nothing at small R; inside a served step at C = 1, where the GPU waits on
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -38,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_av.core.selector import DevicePrefixSums  # noqa: E402
 import vllm_av.core.estimator as core_estimator  # noqa: E402
 from benchmarks.admission_syncs import count_syncs  # noqa: E402
+from benchmarks.mrv2_depth_overhead import cpu_manager  # noqa: E402
 import vllm_av.vllm.mrv2.estimator as mrv2_estimator  # noqa: E402
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
 
@@ -90,6 +98,35 @@ def timed(fn, reps: int) -> dict:
     return {"host_ms": round(host_ms, 4), "device_ms": round(start.elapsed_time(end) / reps, 4)}
 
 
+def manager_pieces(R: int, dev: torch.device, metrics_dir: str):
+    """(record, layout) of a V2 manager on `dev` over R requests, with costs
+    under which every draft is verified."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    m = cpu_manager(R, metrics_dir, device=dev)
+    m.set_cost_curves([(1, [1.0]), (R, [1.0])], [(1, [2.0]), (8 * R + 8, [2.0])])
+    ids = [f"r{i}" for i in range(R)]
+    idx = torch.arange(R, dtype=torch.int32, device=dev)
+    batch = SimpleNamespace(num_reqs=R, idx_mapping=idx, idx_mapping_np=np.arange(R))
+    probs = torch.full((R, K), 0.7, device=dev)
+    drafts = np.full(R, K, dtype=np.int32)
+    per_req = {r: 1 + K for r in ids}
+    draft_ids = {r: [0] * K for r in ids}
+    cu = np.concatenate([[0], np.cumsum(drafts + 1)]).astype(np.int32)
+
+    def record():
+        m.record_confidences(probs, batch)
+
+    def layout():
+        m.get_num_tokens(per_req, draft_ids)
+        m.compact_batch(drafts, drafts + 1, cu)
+        m.reallocate_drafts(ids, idx)
+
+    return record, layout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -120,6 +157,8 @@ def main() -> int:
         def observe():
             est.step(idx, sampled, rejected)
 
+        record, layout = manager_pieces(R, dev, tempfile.mkdtemp(prefix="av_metrics"))
+
         assert torch.equal(cumsum_into(counts, buf.clone()), sums(counts, buf.clone()))
         row = {
             "R": R,
@@ -129,6 +168,8 @@ def main() -> int:
                 "estimator_predict": count_waits(predict),
                 "estimator_step": count_waits(observe),
                 "prior_confidences": count_waits(est.prior_confidences),
+                "manager_record": count_waits(record),
+                "manager_layout": count_waits(layout),
             },
             "cumsum_into_buffer": timed(lambda: cumsum_into(counts, buf), args.reps),
             "device_prefix_sums": timed(lambda: sums(counts, buf), args.reps),
@@ -137,6 +178,8 @@ def main() -> int:
             "estimator_step": timed(observe, args.reps),
             "estimator_step_torch": timed(unfused(observe), args.reps),
             "prior_confidences": timed(est.prior_confidences, args.reps),
+            "manager_record": timed(record, args.reps),
+            "manager_layout": timed(layout, args.reps),
         }
         rows.append(row)
         print(json.dumps(row))

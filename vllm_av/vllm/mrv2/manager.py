@@ -107,13 +107,13 @@ class _StaleSlot:
 
 
 def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
-    """Host ints to a device buffer without a sync (staged through pinned
-    memory on CUDA by vLLM's helper)."""
+    """Host ints to a device buffer without a sync: staged in pinned memory
+    (from torch's caching host allocator, which keeps the block until the
+    copy is done), then one asynchronous copy."""
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype)
     if out.device.type == "cpu":
-        return out.copy_(torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype))
-    from vllm.utils.torch_utils import async_tensor_h2d
-
-    return async_tensor_h2d(np.ascontiguousarray(values).astype(np.int32), out=out)
+        return out.copy_(host)
+    return out.copy_(host.pin_memory(), non_blocking=True)
 
 
 def _host_offsets(counts: np.ndarray) -> np.ndarray:
