@@ -46,6 +46,7 @@ from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
 from vllm_av.core.survival import survival
+from vllm_av.core.transfer import host_to_device
 
 
 @dataclass
@@ -86,15 +87,6 @@ def record_depth(stats, depth: int, K: int) -> None:
     if len(counts) < K + 1:
         counts.extend([0] * (K + 1 - len(counts)))
     counts[depth] += 1
-
-
-def _to_device(values: np.ndarray, device) -> torch.Tensor:
-    """Host ints to `device`; on CUDA through pinned memory and without
-    blocking, so that the copy does not wait for the work queued before it."""
-    t = torch.from_numpy(np.ascontiguousarray(values))
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _fetch_together(admitted: torch.Tensor, stacked: torch.Tensor,
@@ -620,7 +612,7 @@ class AdaptiveVerifier:
         """
         num_drafted = np.asarray(num_drafted, dtype=np.int64)
         R, k = features.shape
-        drafted_t = _to_device(num_drafted, features.device)
+        drafted_t = host_to_device(num_drafted, features.device)
         if admit_all:
             budget = int(num_drafted.sum())
         else:

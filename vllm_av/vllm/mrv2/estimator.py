@@ -186,10 +186,9 @@ class AcceptanceEstimator:
 
         Computed once per refit of the core estimator and kept until the
         next (read-only: callers copy from it). The MRV2 manager copies it
-        every drafting step and the depth patch reads it for slots not
-        drafted; recomputed each time it was some twenty launches per
-        step (`benchmarks/mrv2_step_launches.py`), for a prior that moves
-        with the window's label counts only."""
+        after each refit and the depth patch reads it for slots not
+        drafted; recomputed at each call it was some twenty launches per
+        step (`benchmarks/mrv2_step_launches.py`)."""
         refits = self.core.num_refits
         if self._prior is None or self._prior[0] != refits:
             surv = self.core.prior_survival(self.num_speculative_steps).float()  # [K]

@@ -48,6 +48,7 @@ from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.selector import DevicePrefixSums, compiled_select_admitted, select_admitted
 from vllm_av.core.survival import survival
+from vllm_av.core.transfer import host_to_device
 from vllm_av.core.verifier import record_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
@@ -104,16 +105,6 @@ class _StaleSlot:
         self.event = torch.cuda.Event() if device.type == "cuda" else None
         self.step = -1  # record step whose data this slot holds
         self.refits = -1  # estimator refit whose prior and coefficients it holds
-
-
-def _h2d(values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
-    """Host ints to a device buffer without a sync: staged in pinned memory
-    (from torch's caching host allocator, which keeps the block until the
-    copy is done), then one asynchronous copy."""
-    host = torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype)
-    if out.device.type == "cpu":
-        return out.copy_(host)
-    return out.copy_(host.pin_memory(), non_blocking=True)
 
 
 def _host_offsets(counts: np.ndarray) -> np.ndarray:
@@ -520,12 +511,12 @@ class AVManager:
         # unchanged by the padding rows.
         drafted = self._drafted
         drafted.zero_()
-        _h2d(drafts, drafted[:n])
+        host_to_device(drafts, out=drafted[:n])
         conf = self._conf_rows
         conf.fill_(1.0)
         conf[:n] = self._conf.index_select(0, idx_mapping.long())
         admitted.copy_(self._select(survival(conf), drafted, budget)[:n])
-        own = _h2d(non_draft, self._non_draft[:n])
+        own = host_to_device(non_draft, out=self._non_draft[:n])
         # Logits: each request's admitted drafts plus its bonus token; tokens:
         # its admitted drafts plus its own; unused request rows end at the total.
         logits = self._prefix_sums(admitted + self.num_bonus_tokens, self._cu_num_logits)
@@ -547,7 +538,7 @@ class AVManager:
         host[R : R + n + 1] = logits
         host[R + L :] = num_tokens
         host[R + L : R + L + n + 1] = _host_offsets(admitted + non_draft)
-        _h2d(host, self._layout)
+        host_to_device(host, out=self._layout)
         self.query_start_loc.copy_(self._staged_query_start_loc)
 
     # ------------------------------------------------------------- metrics
