@@ -360,3 +360,30 @@ def test_window_statistics_equal_the_log_likelihood_derivatives():
     torch.testing.assert_close(st["gradient"], grad)
     torch.testing.assert_close(st["hessian"], hess)
     assert not torch.allclose(st["gradient"], unmasked)
+
+
+def test_forget_returns_to_a_fresh_estimators_behaviour():
+    # Warm-up steps verify dummy drafts that are nearly all accepted; after
+    # forget() the estimator must predict and learn exactly as a fresh one.
+    g = torch.Generator().manual_seed(3)
+    fresh = OnlineAcceptanceEstimator(K, refit_interval=4, slope=0.5, intercept=-0.3)
+    est = OnlineAcceptanceEstimator(K, refit_interval=4, slope=0.5, intercept=-0.3)
+    for _ in range(10):  # warm-up: everything accepted, at an unrealistic feature
+        f = torch.full((16, K), 5.0)
+        est.observe(f, torch.full((16,), K), torch.full((16,), K))
+    probe = torch.randn(8, K, generator=g)
+    assert not torch.allclose(est.predict(probe), fresh.predict(probe))
+    refits = est.num_refits
+    est.forget()
+    assert est.num_refits == refits + 1  # copiers of the coefficients see a change
+    assert est.num_steps == 0
+    torch.testing.assert_close(est.coefficients, fresh.coefficients)
+    torch.testing.assert_close(est.prior_survival(), fresh.prior_survival())
+    torch.testing.assert_close(est.mean_features, fresh.mean_features)
+    assert est.slope == pytest.approx(fresh.slope)
+    for _ in range(12):  # the same served steps afterwards: the same fit
+        step = _simulate_step(g, 0.6, [1.0, 0.5, 0.0, -0.5, -1.0], 32)
+        est.observe(*step)
+        fresh.observe(*step)
+    torch.testing.assert_close(est.coefficients, fresh.coefficients)
+    torch.testing.assert_close(est.prior_survival(), fresh.prior_survival())

@@ -359,3 +359,36 @@ def test_prior_confidences_are_kept_between_refits_and_follow_each_refit():
     # the first slot: the first rate is 1/2, not the prior's.
     assert abs(float(after[0]) - float(first[0])) > 0.05 and abs(float(after[0]) - 0.5) < 0.05
     del est
+
+
+def test_serving_starts_from_the_prior_not_from_warm_up_drafts():
+    # vLLM 0.32's V2 warm-up runs decode steps with dummy drafts through the
+    # speculator's estimator before the cost tables are built; nearly all
+    # are accepted. Served steps must start from the prior, with zero counts.
+    from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+    fresh = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    fresh_coef, fresh_prior = fresh.coefficients.clone(), fresh.prior_confidences().clone()
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)  # the live one
+    m = _manager(["a", "b"])
+    m.cost = None
+    idx = torch.arange(R_MAX)
+    est.features[:R_MAX] = 3.0
+    for _ in range(6):  # warm-up: every dummy draft accepted
+        est.step(idx, torch.full((R_MAX,), K + 1), torch.zeros(R_MAX, dtype=torch.int64))
+    assert est.totals.tolist() == [6.0 * R_MAX * K] * 2
+    assert not torch.allclose(est.coefficients, fresh_coef)
+    samples = [StepTimingSample(forward_ms=1.0, drafter_ms=0.2, num_target_tokens=n,
+                                num_reqs=n, full_cudagraph=True) for n in (1, 8, 64)]
+    m.set_initial_cost_curves(samples)
+    assert est.totals.tolist() == [0.0, 0.0]
+    torch.testing.assert_close(est.coefficients, fresh_coef)
+    torch.testing.assert_close(est.prior_confidences(), fresh_prior)
+    assert est.core.num_steps == 0 and not est.features.any()
+    # The manager's next record carries the prior's coefficients and counts.
+    m.record_confidences(torch.full((2, K), 0.5), _batch([0, 1]))
+    out = m._slots[1 - m._stale_idx]
+    assert out.stats_dev[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out.stats_dev[2:].float(), fresh_coef)
+    torch.testing.assert_close(out.dev[R_MAX], fresh_prior)
+    del est, fresh

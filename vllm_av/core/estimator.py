@@ -188,6 +188,8 @@ class OnlineAcceptanceEstimator:
         if b.numel() not in (1, K):
             raise ValueError(f"intercept needs 1 or {K} values, got {b.numel()}")
         self._theta = torch.cat([torch.tensor([float(slope)]), b.expand(K)]).to(device)
+        self._theta0 = self._theta.clone()  # the prior, for forget()
+        self._prior_mean_feature = float(prior_mean_feature)
         # Host copy of theta for slope / intercepts, read once per refit: the
         # metrics snapshot reads them every few steps, and on a GPU each read
         # would wait for the device (a stall of the async pipeline).
@@ -208,7 +210,7 @@ class OnlineAcceptanceEstimator:
         self._prior_memo: dict[int, torch.Tensor] = {}
         self._prior_host_memo: dict[int, np.ndarray] = {}
 
-    _STATE = ("_theta", "_window", "_positions",
+    _STATE = ("_theta", "_theta0", "_window", "_positions",
               "_precision", "_label_n", "_label_acc", "_mean_feature")
 
     # ------------------------------------------------------------------ state
@@ -223,6 +225,22 @@ class OnlineAcceptanceEstimator:
         self._prior_memo.clear()
         self._prior_host_memo.clear()
         return self
+
+    def forget(self) -> None:
+        """Drop everything observed so far: the prior coefficients again and
+        empty statistics. For outcomes that were not served drafts (an
+        engine's warm-up steps verify dummy drafts, nearly all accepted).
+        Counts as a refit, so that whoever copies the coefficients at
+        refits copies them again."""
+        self._theta.copy_(self._theta0)
+        self._theta_host = None
+        for t in (self._window, self._precision, self._label_n, self._label_acc):
+            t.zero_()
+        self._mean_feature.fill_(self._prior_mean_feature)
+        self._prior_memo.clear()
+        self._prior_host_memo.clear()
+        self.num_steps = 0
+        self.num_refits += 1
 
     def _host_theta(self) -> list[float]:
         if self._theta_host is None:

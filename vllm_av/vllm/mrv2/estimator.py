@@ -95,6 +95,18 @@ class AcceptanceEstimator:
     def observe_only_verified_steps(self) -> None:
         self._only_verified = True
 
+    def forget(self) -> None:
+        """Back to the prior with nothing observed, counters at zero: vLLM's
+        warm-up runs decode steps whose dummy drafts are verified (and
+        nearly all accepted) through `step` before any request is served."""
+        self.core.forget()
+        self.totals.zero_()
+        self.features.zero_()
+        self._coef.copy_(self.core.coefficients)
+        self._coef_refits = self.core.num_refits
+        self._prior = None
+        self.verifying = False
+
     # ------------------------------------------------------------- predict
     def predict(
         self,

@@ -260,6 +260,11 @@ class AVManager:
                 samples(verify_curve), samples(draft_curve), graph_sizes=self._capture_sizes
             )
             logger.info("vllm-av (MRV2): %s", self.cost.summary())
+        # Serving starts after these tables: what the estimator saw so far
+        # were vLLM's warm-up steps (dummy drafts, nearly all accepted).
+        est = self._estimator()
+        if est is not None:
+            est.forget()
         if self.options.scheduled_depth and self.depth is None:
             self._start_depth_policy()
         elif self.depth is not None:
