@@ -270,16 +270,29 @@ def test_our_av_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path)
     assert stats["steps"] > 0 and stats["drafted"] > 0 and stats["depth_steps"] == 0, stats
 
 
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2, "enable_adaptive_verification": True}
+
+
 def test_our_av_for_ngram_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
     """ngram on V2 through MRV2NgramAVPatch (vLLM's GPU ngram speculator
-    given the AV seam it lacks): outputs agree with no speculation, our
-    manager sized the steps and drafts were verified. Before the patch, V2
-    built no AV manager for ngram at all."""
-    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2, "enable_adaptive_verification": True}
-    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, ngram", spec=spec)
+    given the AV seam it lacks), depth K: outputs agree with no
+    speculation, our manager sized the steps and drafts were verified.
+    Before the patch, V2 built no AV manager for ngram at all."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, ngram", spec=NGRAM_SPEC,
+                              env={"VLLM_AV_ADAPTIVE_DEPTH": "0"})
     assert counts.get("num_draft_tokens", 0) > 0
     assert stats["steps"] > 0 and stats["drafted"] > 0 and stats["verified"] > 0, stats
+
+
+def test_ngram_depth_alternating_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
+    """ngram on V2 with adaptive depth, the depth forced to alternate 0, K:
+    at depth 0 the scan is skipped and the step runs plain; outputs agree,
+    drafts were verified on the other steps, both kinds were counted."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, ngram, depth 0/K",
+                              spec=NGRAM_SPEC, alternate_depth=True)
+    assert counts.get("num_draft_tokens", 0) > 0
+    assert stats["depth_steps"] > 0 and 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
 
 
 def test_adaptive_depth_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):

@@ -304,8 +304,8 @@ def test_ngram_is_routed_to_model_runner_v2_with_our_seam():
     carry `enable_adaptive_verification`: its draft-model family sets it,
     its ngram speculator does not (checked on vLLM's own classes, so this
     fails when vLLM adds the seam and MRV2NgramAVPatch can go). Our patch
-    adds it; the config is routed with our options and a drafting depth of
-    K (adaptive depth is draft_model only on V2)."""
+    adds it; the config is routed with our options and adaptive depth
+    (depth 0 skips the scan: MRV2NgramAVPatch.propose)."""
     from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
     from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, DraftModelSpeculator
 
@@ -325,10 +325,10 @@ def test_ngram_is_routed_to_model_runner_v2_with_our_seam():
                                use_ngram=lambda: method in ("ngram", "ngram_gpu"))
         return SimpleNamespace(speculative_config=spec, additional_config={})
 
-    for method in ("ngram", "draft_model"):
+    for method in ("ngram", "ngram_gpu", "draft_model"):
         cfg = config(method)
         route_mrv2(cfg)
-        assert cfg.additional_config["vllm_av"]["scheduled_depth"] is (method == "draft_model")
+        assert cfg.additional_config["vllm_av"]["scheduled_depth"] is True
 
 
 def test_model_runner_v1_only_options_are_named_when_set_on_v2():

@@ -138,12 +138,14 @@ def test_failed_draft_restores_the_step_count():
 
 
 # ------------------------------------------------------------ the choice
-def _manager(ids, draft_ms, tmp_path, scheduled_depth=True, zero_depth_skips_drafter=True):
+def _manager(ids, draft_ms, tmp_path, scheduled_depth=True, zero_depth_skips_drafter=True,
+             parallel_drafter=False):
     m = AVManager(mrv2_req_states(ids, K, R_MAX), torch.zeros(R_MAX + 1, dtype=torch.int32),
                   num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
                                     scheduled_depth=scheduled_depth,
-                                    zero_depth_skips_drafter=zero_depth_skips_drafter))
+                                    zero_depth_skips_drafter=zero_depth_skips_drafter),
+                  parallel_drafter=parallel_drafter)
     for i in range(len(ids)):
         m.add_request(i)
     # Verification flat up to 64 tokens: extra tokens are free to verify,
@@ -216,15 +218,31 @@ def test_without_scheduled_depth_the_manager_drafts_k(tmp_path, verifier_slot):
 
 
 # ------------------------------------------------------------ routing
-def test_v2_routes_adaptive_depth_for_draft_models_only():
+def test_v2_routes_adaptive_depth_for_draft_models_and_ngram():
     from vllm_av.vllm.config_patch import mrv2_schedules_depth
 
     on, off = AVOptions(adaptive_depth=True), AVOptions(adaptive_depth=False)
     spec = SimpleNamespace
     assert mrv2_schedules_depth(spec(method="draft_model"), on)
     assert not mrv2_schedules_depth(spec(method="draft_model"), off)
+    assert mrv2_schedules_depth(spec(method="ngram"), on)
+    assert not mrv2_schedules_depth(spec(method="ngram"), off)
     for method in ("eagle", "eagle3", "mtp"):
         assert not mrv2_schedules_depth(spec(method=method), on)
+
+
+def test_a_parallel_drafter_pays_its_whole_step_at_any_depth_and_nothing_at_zero(
+        tmp_path, verifier_slot):
+    # ngram proposes all K in one scan: depth 1 costs what depth K costs, and
+    # only depth 0 (no scan) saves it, whatever zero_depth_skips_drafter says.
+    ngram = _manager(["a", "b"], draft_ms=2.0, tmp_path=tmp_path, parallel_drafter=True,
+                     zero_depth_skips_drafter=False)
+    model = _manager(["a", "b"], draft_ms=2.0, tmp_path=tmp_path, zero_depth_skips_drafter=False)
+    cost = [float(ngram.cost.draft_cost_at_depth(2, d, K)) for d in range(K + 1)]
+    assert cost[0] == 0.0 and cost[1:] == pytest.approx([2.0] * K)
+    # An autoregressive drafter: d of K forwards, depth 0 its first forward.
+    model_cost = [float(model.cost.draft_cost_at_depth(2, d, K)) for d in range(K + 1)]
+    assert model_cost[1] == pytest.approx(2.0 / K) and model_cost[0] == pytest.approx(2.0 / K)
 
 
 # ------------------------------------------------------------ depth-0 steps

@@ -128,19 +128,42 @@ rejected2 = torch.tensor([2, 0, 0, 0, 0, 0], dtype=torch.int32)
 total_len[int(idx_mapping[0])] = 2
 propose(sampled2, rejected2)
 window = est.core._window.clone() - window_before
+row0_feature_now = float(est.features[int(idx_mapping[0])].sum())
+steps_after, totals_after = est.core.num_steps, (est.totals - totals_before).tolist()
+
+# Adaptive depth: at depth 0 the verdict still reaches the estimator, but
+# neither the scan nor the finalize kernel runs and nothing is scored.
+from vllm_av.vllm.mrv2.depth import drafter_skipped
+launches = {"n": 0}
+class CountingDrafts(RandomDrafts):
+    def __getitem__(self, grid):
+        launches["n"] += 1
+        return RandomDrafts.__getitem__(self, grid)
+ng._ngram_finalize_kernel = CountingDrafts()
+def propose_at(depth):
+    return drafter.propose(batch, None, None, None, None, num_sampled, rejected, last_sampled,
+                           None, None, None, num_speculative_tokens=depth)
+conf_before0, steps0 = drafter.draft_token_confidence_probs.clone(), est.core.num_steps
+d0 = propose_at(0)
+depth0 = {"launches": launches["n"], "skipped": drafter_skipped(),
+          "observed": est.core.num_steps - steps0, "shape": list(d0.shape),
+          "scores_unchanged": bool(torch.equal(conf_before0, drafter.draft_token_confidence_probs))}
+propose_at(K)
+depthK = {"launches": launches["n"], "skipped": drafter_skipped()}
 print(json.dumps({
+    "depth0": depth0, "depthK": depthK,
     "reach": reach.tolist(), "want": want,
     "drafts_differ": not torch.equal(drafts_a, drafts_b),
     "scores_unchanged": bool(torch.equal(conf_a, conf)),
     "conf_rows_match_features": bool(torch.allclose(
         conf[:R], torch.sigmoid(est._coef[0] * feats + est._coef[1:]))),
     "features_by_slot_match": bool(torch.equal(features_by_slot, feats)),
-    "steps": [steps_before, est.core.num_steps],
+    "steps": [steps_before, steps_after],
     "labelled_per_position": window[:, 5].tolist(),
     "accepted_per_position": window[:, 6].tolist(),
     "verified_feature_sum": float(window[:, 8].sum()),
-    "row0_feature_now": float(est.features[int(idx_mapping[0])].sum()),
-    "totals": (est.totals - totals_before).tolist(),
+    "row0_feature_now": row0_feature_now,
+    "totals": totals_after,
 }))
 '''
 
@@ -181,6 +204,15 @@ def test_the_next_propose_feeds_the_verdict_to_the_estimator_first(checked):
 
 
 K_ = 5
+
+
+def test_depth_zero_skips_the_scan_and_the_scores_but_not_the_verdict(checked):
+    # The verdict of the previous step is folded in (one observation); no
+    # kernel launch, confidences untouched, and the manager is told there
+    # is nothing to record. A drafting step runs the kernels again.
+    assert checked["depth0"] == {"launches": 0, "skipped": True, "observed": 1,
+                                 "shape": [6, K_], "scores_unchanged": True}, checked
+    assert checked["depthK"] == {"launches": 1, "skipped": False}, checked
 
 
 def test_reach_features_are_log1p_on_the_matched_slots_and_zero_past_them():

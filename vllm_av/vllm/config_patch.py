@@ -123,11 +123,16 @@ def v1_only_options_set(options) -> list[str]:
     return [n for n in V1_ONLY_OPTIONS if getattr(options, n)]
 
 
+# Speculators whose drafting depth Model Runner V2 can be told each step.
+MRV2_DEPTH_METHODS = ("draft_model", "ngram", "ngram_gpu")
+
+
 def mrv2_schedules_depth(spec, options) -> bool:
     """Whether Model Runner V2 chooses each step's drafting depth: adaptive
-    depth on and the draft-model speculator (the one whose depth
-    MRV2DraftDepthPatch honours)."""
-    return bool(options.adaptive_depth and spec.method == "draft_model")
+    depth on and a speculator that honours it: the draft model
+    (MRV2DraftDepthPatch: any depth) or ngram (MRV2NgramAVPatch: depth 0
+    skips its scan; any other depth drafts all K, priced so)."""
+    return bool(options.adaptive_depth and spec.method in MRV2_DEPTH_METHODS)
 
 
 def route_mrv2(vllm_config) -> None:
@@ -137,8 +142,8 @@ def route_mrv2(vllm_config) -> None:
     V2's ngram speculator the seam it lacks)."""
     options = AVOptions.from_env().with_metrics_dir()
     spec = vllm_config.speculative_config
-    # Adaptive depth on V2: chosen when scheduled, for the draft-model
-    # speculator that MRV2DraftDepthPatch stops at that depth.
+    # Adaptive depth on V2: chosen when scheduled, for the speculators that
+    # stop at that depth (MRV2_DEPTH_METHODS).
     options = replace(options, scheduled_depth=mrv2_schedules_depth(spec, options))
     if options.test_lossy_admission:
         raise ValueError(

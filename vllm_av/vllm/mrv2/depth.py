@@ -65,6 +65,11 @@ def drafter_skipped() -> bool:
     return _LAST_PROPOSE["skipped"]
 
 
+def note_propose(skipped: bool) -> None:
+    """Called by each speculator's `propose` (draft model, ngram)."""
+    _LAST_PROPOSE["skipped"] = skipped
+
+
 def _depth_options(speculator) -> tuple[bool, bool]:
     """(adaptive depth on, depth 0 runs the drafter's first forward), read
     once from our options: the latter with option zero_depth_skips_drafter
@@ -131,7 +136,7 @@ class MRV2DraftDepthPatch(VllmPatch):
         orig = type(self)._orig_propose
         K = self.num_speculative_steps
         depth = kwargs.get("num_speculative_tokens")
-        _LAST_PROPOSE["skipped"] = False
+        note_propose(False)
         on, zero_depth_forward = _depth_options(self)
         if depth is None or depth >= K or kwargs.get("dummy_run") or not on:
             return orig(self, input_batch, *args, **kwargs)
@@ -140,7 +145,7 @@ class MRV2DraftDepthPatch(VllmPatch):
         if depth == 0:
             # Nothing verified, nothing to record: the buffer's confidences
             # are not read before the next drafting step overwrites them.
-            _LAST_PROPOSE["skipped"] = True
+            note_propose(True)
             if zero_depth_forward:
                 # Only the first forward, for the drafter's KV cache; the
                 # runner masks its draft (depth 0).

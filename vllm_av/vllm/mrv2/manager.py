@@ -145,6 +145,7 @@ class AVManager:
         max_total_logits: int,
         options: AVOptions | None = None,
         rank: int = 0,
+        parallel_drafter: bool = False,
     ):
         self.req_states = req_states
         self.num_speculative_steps = K = req_states.num_speculative_steps
@@ -154,6 +155,9 @@ class AVManager:
         self.query_start_loc = query_start_loc
         self.options = options or AVOptions()
         self.rank = rank
+        # A drafter that proposes all K at once (ngram): any depth above 0
+        # costs its whole drafting step, and only depth 0 saves it.
+        self.parallel_drafter = parallel_drafter
         self.cost: CostModel | None = None
         if self.options.cost_table:
             with open(self.options.cost_table) as f:
@@ -417,9 +421,11 @@ class AVManager:
         its first forward alone (option zero_depth_skips_drafter off), priced
         as that forward; the scheduler finds this manager as its process's
         verifier."""
-        skips = self.options.zero_depth_skips_drafter
+        skips = self.options.zero_depth_skips_drafter or self.parallel_drafter
         self.cost.free_zero_depth = skips
         self.cost.zero_depth_forward = not skips
+        if self.parallel_drafter:
+            self.cost.draft_by_depth = {1: self.cost.draft}  # every depth > 0: all K
         self.depth = MRV2DepthPolicy(self)
         self._labelled = est = self._estimator()
         if est is not None:

@@ -13,7 +13,9 @@ model:
             estimator (`vllm_av.vllm.mrv2.estimator.AcceptanceEstimator`);
   propose   first folds the verdict on the previous drafts into the
             estimator (the runner passes it as num_sampled / num_rejected),
-            then drafts as vLLM does, then scores every slot.
+            then drafts as vLLM does, then scores every slot; at depth 0
+            (adaptive depth, chosen when the step is scheduled) it skips
+            the scan and the scoring, so the step runs as plain decoding.
 
 The score is the model-free feature of our V1 path
 (`vllm_av.core.features.match_length_feature`): log1p of how many tokens
@@ -34,6 +36,7 @@ import torch
 
 from vllm_av.core.features import match_length_feature
 from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.mrv2.depth import note_propose
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.patching import VllmPatch
 
@@ -79,7 +82,8 @@ class MRV2NgramAVPatch(VllmPatch):
         when our options are in the config; `propose` feeds the previous
         step's verdict to the estimator, drafts as before, and scores each
         slot by how far the request's match reaches (decoded from the scan
-        kernel's scores; 0 for the slots vLLM fills with the last token).
+        kernel's scores; 0 for the slots vLLM fills with the last token);
+        at depth 0 it returns the draft buffer without the scan.
     Upstream: confidences (or a hook for them) in V2's ngram speculator.
     Remove when: vLLM's V2 ngram speculator supports adaptive verification.
     vLLM: 0.32.0
@@ -115,6 +119,13 @@ class MRV2NgramAVPatch(VllmPatch):
         if est is not None and not dummy_run:
             # The features the verdict grades are the previous propose's.
             est.step(idx, num_sampled[:n], num_rejected[:n])
+        note_propose(False)
+        if est is not None and not dummy_run and num_speculative_tokens == 0:
+            # Depth 0 (adaptive depth): no scan and nothing to score; the
+            # runner masks the buffer with -1 and schedules no drafts, and
+            # our manager has nothing to record (no wait on its copy).
+            note_propose(True)
+            return self.drafts[:n]
         drafts = type(self)._orig_propose(
             self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
             aux_hidden_states, num_sampled, num_rejected, last_sampled,

@@ -32,6 +32,11 @@ def _module_target(cls) -> object:
     return importlib.import_module(cls.target)
 
 
+def _speculative_method(vllm_config) -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(spec, "method", None)
+
+
 def maybe_create_adaptive_verification_manager(**kwargs):
     """vLLM's factory contract (keyword-only arguments, a manager or None);
     ours when our options are in the config."""
@@ -57,6 +62,7 @@ def maybe_create_adaptive_verification_manager(**kwargs):
         kwargs["max_total_logits"],
         options=options,
         rank=rank,
+        parallel_drafter=_speculative_method(kwargs["vllm_config"]) in ("ngram", "ngram_gpu"),
     )
     logger.info(
         "vllm-av: adaptive verification on Model Runner V2 (K=%d, ours)",
