@@ -56,6 +56,18 @@ DEFAULT_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct"
 DEFAULT_PROMPTS = [PROMPTS / "mtbench.jsonl", PROMPTS / "humaneval.jsonl"]
 DEFAULT_ROOT = REPO / "benchmarks" / "results" / "sweep"
 DEFAULT_CONCURRENCY = [1, 16, 32, 64, 128, 256]
+# Options of our Model Runner V2 path, by arm-name suffix (ours_v2g_<...>):
+# _keepkv, depth 0 runs the drafter's first forward (no holes in its KV
+# cache); _cal, costs corrected from served step periods; _plaingraphs,
+# one-token FULL graphs for steps that schedule no draft; _skipmeta, target
+# steps build the target layers' attention metadata only.
+V2_OPTION_SUFFIXES = {
+    "_keepkv": ("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),
+    "_cal": ("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),
+    "_plaingraphs": ("VLLM_AV_PLAIN_DECODE_GRAPHS", "1"),
+    "_skipmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1"),
+}
+
 DEFAULT_ARMS = ["nospec", "k1", "k3", "k5", "k7", "vllm_av", "ours",
                 "ngram_k3", "ngram_k7", "ngram_ours"]
 # At least this many prompts per run: at concurrency 1 a handful of requests
@@ -147,19 +159,17 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         # Fixed K on V2 with the drafter in graphs (no AV): what drafting
         # costs there once it is launched as graphs.
         return Arm(name, family, "fixed", int(base[1:-1]), drafter_graphs)
-    m = re.fullmatch(r"ours_v2g((?:_keepkv|_cal)+)", base)
+    m = re.fullmatch(r"ours_v2g((?:%s)+)" % "|".join(V2_OPTION_SUFFIXES), base)
     if m:
-        # ours_v2g with options: _keepkv, depth 0 runs the drafter's first
-        # forward (zero_depth_skips_drafter off: no holes in its KV cache);
-        # _cal, costs corrected from served step periods
-        # (step_period_calibration).
-        opts = m.group(1)
-        env = drafter_graphs
-        if "_keepkv" in opts:
-            env += (("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),)
-        if "_cal" in opts:
-            env += (("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),)
+        # ours_v2g with options (V2_OPTION_SUFFIXES), in any combination.
+        env = drafter_graphs + tuple(V2_OPTION_SUFFIXES[s] for s in
+                                     re.findall("|".join(V2_OPTION_SUFFIXES), m.group(1)))
         return Arm(name, family, "ours", av_k, env)
+    m = re.fullmatch(r"ours_v2((?:_plaingraphs)+)", base)
+    if m and family == "ngram":
+        # ngram on V2 (below) with the one-token decode graphs.
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"),
+                                               V2_OPTION_SUFFIXES["_plaingraphs"]))
     if base in ("ours_v2", "ours_v2g"):
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU):
         # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
@@ -211,10 +221,10 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g_keepkv, ours_v2g_cal, "
-                     f"ours_v2g_keepkv_cal, ours_async, ours_async_plain, ours_async_skipmeta, "
+                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g<suffixes: "
+                     f"{', '.join(V2_OPTION_SUFFIXES)}>, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
-                     f"ngram_k<N>, ngram_ours, ngram_ours_v2")
+                     f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2_plaingraphs")
 
 
 # ---------------------------------------------------------------- prompts

@@ -50,6 +50,16 @@ RUN_ENGINE = textwrap.dedent(
         step = itertools.count()
         AdaptiveVerifier.choose_depth = (
             lambda self, *a, **kw: 0 if next(step) % 2 == 0 else self.K)
+    replays = {"one_token_graph_replays": 0, "other_full_graph_replays": 0}
+    if cfg.get("probe_plain_graphs"):
+        # Which FULL graphs the target's steps replay (in-process engine).
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        _run_full = CudaGraphManager.run_fullgraph
+        def run_fullgraph(self, desc, *a, **kw):
+            one = desc.uniform_token_count == 1 and desc.max_query_len == 1
+            replays["one_token_graph_replays" if one else "other_full_graph_replays"] += 1
+            return _run_full(self, desc, *a, **kw)
+        CudaGraphManager.run_fullgraph = run_fullgraph
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=cfg["eager"], seed=0,
               max_num_seqs=256, disable_log_stats=False,
@@ -75,6 +85,8 @@ RUN_ENGINE = textwrap.dedent(
             .worker.model_runner
         graphs = getattr(runner.speculator, "_vllm_av_graphs", None)
         counts["drafter_graph_replays"] = graphs.replays if graphs else 0
+    if cfg.get("probe_plain_graphs"):
+        counts.update(replays)
     print("COUNTS " + json.dumps(counts))
     print("RESULT " + json.dumps(outs))
     """
@@ -83,13 +95,15 @@ RUN_ENGINE = textwrap.dedent(
 
 def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
                llm_args: dict | None = None, alternate_depth: bool = False,
-               probe_drafter_graphs: bool = False) -> list[list[int]]:
+               probe_drafter_graphs: bool = False,
+               probe_plain_graphs: bool = False) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
-    if alternate_depth or probe_drafter_graphs:
+    if alternate_depth or probe_drafter_graphs or probe_plain_graphs:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS,
            "extra": llm_args or {}, "alternate_depth": alternate_depth,
-           "probe_drafter_graphs": probe_drafter_graphs}
+           "probe_drafter_graphs": probe_drafter_graphs,
+           "probe_plain_graphs": probe_plain_graphs}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -240,13 +254,15 @@ MRV2_ENV = {"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MR
             "VLLM_AV_METRICS_INTERVAL": "1"}
 
 
-def _run_mrv2(plain_outputs, tmp_path, label, env=None, alternate_depth=False, spec=None):
+def _run_mrv2(plain_outputs, tmp_path, label, env=None, alternate_depth=False, spec=None,
+              probe_plain_graphs=False):
     from vllm_av.vllm.metrics import read_snapshot
 
     spec = spec or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
                     "enable_adaptive_verification": True}
     counts: dict = {}
     outs = run_engine(spec, eager=False, counts=counts, alternate_depth=alternate_depth,
+                      probe_plain_graphs=probe_plain_graphs,
                       env_extra={**MRV2_ENV, "VLLM_AV_METRICS_DIR": str(tmp_path), **(env or {})})
     assert_agrees(outs, plain_outputs, label, counts)
     stats = read_snapshot(str(tmp_path))
@@ -304,6 +320,19 @@ def test_adaptive_depth_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, t
                               alternate_depth=True)
     assert counts.get("num_draft_tokens", 0) > 0
     assert stats["depth_steps"] > 0 and 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
+
+
+def test_plain_decode_graphs_on_model_runner_v2_keep_greedy_outputs(plain_outputs, tmp_path):
+    """Option plain_decode_graphs (vllm_av/vllm/mrv2/plain_graphs.py), depth
+    forced to alternate 0, K: steps that schedule no draft replay the
+    one-token FULL graphs, drafting steps the varlen ones, and the outputs
+    agree with no speculation."""
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, one-token graphs, depth 0/K",
+                              env={"VLLM_AV_PLAIN_DECODE_GRAPHS": "1"}, alternate_depth=True,
+                              probe_plain_graphs=True)
+    assert counts.get("num_draft_tokens", 0) > 0
+    assert counts["one_token_graph_replays"] > 0 and counts["other_full_graph_replays"] > 0, counts
+    assert 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
 
 
 def test_adaptive_depth_on_model_runner_v2_as_served(plain_outputs, tmp_path):

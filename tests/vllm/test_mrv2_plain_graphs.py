@@ -1,0 +1,117 @@
+"""One-token FULL graphs beside Model Runner V2's varlen AV graphs
+(vllm_av/vllm/mrv2/plain_graphs.py).
+
+vLLM 0.32's own `CudaGraphManager._init_candidates` and `dispatch` run here
+on a manager built without a GPU (only the attributes they read), with our
+patch applied: which graph each kind of step would replay, and what would be
+captured. Capturing and replaying need the H200 (tests/gpu/test_gpu_av.py).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager  # noqa: E402
+
+from vllm_av.vllm.config import AVOptions  # noqa: E402
+from vllm_av.vllm.mrv2.plain_graphs import MRV2PlainDecodeGraphsPatch  # noqa: E402
+from vllm_av.vllm.patching import apply_patch, revert_patch  # noqa: E402
+
+K = 7
+MAX_REQS = 16
+SIZES = [1, 2, 4, 8, 16, 32, 64]  # the last two hold more tokens than requests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    apply_patch(MRV2PlainDecodeGraphsPatch)
+    yield
+    revert_patch(MRV2PlainDecodeGraphsPatch)
+
+
+def manager(plain_decode_graphs: bool, varlen_decode: bool = True) -> CudaGraphManager:
+    """A V2 graph manager as the runner builds it with AV on (varlen decode,
+    FULL_AND_PIECEWISE, K+1 query tokens per request), graphs 'captured'."""
+    m = CudaGraphManager.__new__(CudaGraphManager)
+    spec = SimpleNamespace(uses_dynamic_speculative_decoding=lambda: False)
+    m.vllm_config = SimpleNamespace(
+        speculative_config=spec, num_speculative_tokens=K,
+        cache_config=SimpleNamespace(use_kda_recoverssm=False),
+        additional_config={"vllm_av": AVOptions(
+            plain_decode_graphs=plain_decode_graphs).to_dict()})
+    m.compilation_config = SimpleNamespace(cudagraph_capture_sizes=SIZES,
+                                           max_cudagraph_capture_size=max(SIZES))
+    m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    m.max_num_reqs = MAX_REQS
+    m.decode_query_len = K + 1
+    m.varlen_decode = varlen_decode
+    m.lora_capture_cases = [0]
+    m._lora_dispatch_map, m._max_lora_case = {}, 0
+    m.ubatch_runner = None
+    m._candidates, m._capture_descs = {}, {}
+    m._init_candidates()
+    m._graphs_captured = True
+    return m
+
+
+def step(m, num_reqs, tokens_per_req, scheduled_max=None):
+    """The graph a step replays; `scheduled_max`: the scheduler's largest
+    query length (drafts included; what the runner passes), or None for a
+    step with a prompt."""
+    uniform = tokens_per_req if isinstance(tokens_per_req, int) else None
+    lens = [tokens_per_req] * num_reqs if uniform else tokens_per_req
+    return m.dispatch(num_reqs, sum(lens), uniform, 0, max_query_len=scheduled_max)
+
+
+def test_depth_zero_step_replays_a_one_token_graph():
+    m = manager(True)
+    for r in (1, 3, 5, 16):
+        d = step(m, r, 1, scheduled_max=1)
+        assert d.cg_mode == CUDAGraphMode.FULL and d.uniform_token_count == 1, (r, d)
+        assert d.max_query_len == 1 and d.num_reqs >= r and d.num_tokens >= r
+
+
+def test_steps_with_drafts_scheduled_keep_the_varlen_graph():
+    m = manager(True)
+    # Drafts scheduled but none admitted: one token each, the scheduler's bound K+1.
+    d = step(m, 4, 1, scheduled_max=K + 1)
+    assert d.cg_mode == CUDAGraphMode.FULL and d.uniform_token_count is None
+    assert d.max_query_len == K + 1
+    # A mix of draft lengths, and every request at depth K.
+    for lens in ([1, 3, 2, 1], [K + 1] * 2):
+        d = step(m, len(lens), lens, scheduled_max=max(lens))
+        assert d.cg_mode == CUDAGraphMode.FULL and d.max_query_len == K + 1, (lens, d)
+
+
+def test_prompt_steps_are_left_to_the_mixed_graphs():
+    d = step(manager(True), 4, [5, 1, 1, 1], scheduled_max=None)
+    assert d.cg_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_negative_control_without_the_option_depth_zero_replays_the_varlen_graph():
+    for m in (manager(False), manager(True, varlen_decode=False)):
+        d = step(m, 3, 1, scheduled_max=1)
+        assert d.uniform_token_count != 1 or not m.varlen_decode, d
+        assert all(x.uniform_token_count != 1 for x in m._capture_descs[CUDAGraphMode.FULL])
+
+
+def test_one_token_graphs_are_captured_once_per_size_that_fits_the_requests():
+    off, on = manager(False), manager(True)
+    before = off._capture_descs[CUDAGraphMode.FULL]
+    after = on._capture_descs[CUDAGraphMode.FULL]
+    twins = [d for d in after if d.uniform_token_count == 1]
+    # One per captured size of at most MAX_REQS tokens (a one-token step of
+    # more requests cannot exist); vLLM's own graphs all still there.
+    assert sorted(d.num_tokens for d in twins) == [s for s in SIZES if s <= MAX_REQS]
+    assert all(d.num_reqs == d.num_tokens for d in twins)
+    assert set(before) <= set(after) and len(after) == len(before) + len(twins)
+    # Largest first, as vLLM captures them; and PIECEWISE untouched.
+    assert [d.num_tokens for d in after] == sorted((d.num_tokens for d in after), reverse=True)
+    assert on._capture_descs[CUDAGraphMode.PIECEWISE] == off._capture_descs[CUDAGraphMode.PIECEWISE]
+    # Calling it again (vLLM re-inits after releasing graphs) adds nothing twice.
+    on._init_candidates()
+    assert len(on._capture_descs[CUDAGraphMode.FULL]) == len(after)
