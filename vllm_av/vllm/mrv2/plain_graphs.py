@@ -20,7 +20,10 @@ and still dispatches to the varlen graph, whose attention metadata is built
 for that bound. Capture builds it as plain V2 builds its uniform decode
 graphs (one token per dummy request, `max_query_len` 1), and the memory
 profile counts it with the others, since it sits in the capture list
-before that profile runs.
+before that profile runs. Our start-up cost profile's dummy runs (one
+token per request up to max_num_seqs) then time these graphs: the tables
+price a step that verifies nothing as it now runs, and a step with drafts
+at that price too (on V2 only option step_period_calibration corrects it).
 """
 
 from __future__ import annotations
