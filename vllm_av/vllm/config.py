@@ -137,7 +137,8 @@ class AVOptions:
     # Build the step's attention metadata for the target's layers only,
     # leaving out attention groups made of the draft model's layers alone
     # (a draft of another head size), which vLLM's drafters build for
-    # themselves (vllm_av/vllm/mrv1/draft_layer_metadata.py). Off until the
+    # themselves (vllm_av/vllm/mrv1/draft_layer_metadata.py; on Model
+    # Runner V2 vllm_av/vllm/mrv2/draft_metadata.py). Off until the
     # greedy test has passed with it on the GPU: its first version kept
     # the attention groups of vLLM's CUDA-graph memory profile, whose
     # builders the captured graphs do not read, and gave wrong outputs on

@@ -115,7 +115,7 @@ def mrv2_available() -> bool:
 
 
 # Options our Model Runner V1 patches read and V2 has no counterpart for.
-V1_ONLY_OPTIONS = ("drafter_catch_up", "skip_draft_layer_metadata")
+V1_ONLY_OPTIONS = ("drafter_catch_up",)
 
 
 def v1_only_options_set(options) -> list[str]:
@@ -161,8 +161,9 @@ def route_mrv2(vllm_config) -> None:
         "vllm-av: adaptive verification on Model Runner V2 (method=%s, K=%d, %s)",
         spec.method, spec.num_speculative_tokens,
         "drafting depth chosen when scheduled" if options.scheduled_depth
-        else "drafting depth K" + (f" ({spec.method}: adaptive depth is draft_model "
-                                   "only on Model Runner V2)" if options.adaptive_depth else ""),
+        else "drafting depth K" + (f" ({spec.method}: adaptive depth is for "
+                                   f"{', '.join(MRV2_DEPTH_METHODS)} on Model Runner V2)"
+                                   if options.adaptive_depth else ""),
     )
     ignored = v1_only_options_set(options)
     if ignored:

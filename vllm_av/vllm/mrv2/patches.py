@@ -17,6 +17,7 @@ import logging
 
 from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
+from vllm_av.vllm.mrv2.draft_metadata import MRV2DraftLayerMetadataPatch
 from vllm_av.vllm.mrv2.drafter_graphs import MRV2DrafterGraphsPatch
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
@@ -134,7 +135,7 @@ class MRV2EstimatorPatch(VllmPatch):
 
 MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
-                MRV2PlainDecodeGraphsPatch]
+                MRV2PlainDecodeGraphsPatch, MRV2DraftLayerMetadataPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:
