@@ -58,13 +58,13 @@ DEFAULT_ROOT = REPO / "benchmarks" / "results" / "sweep"
 DEFAULT_CONCURRENCY = [1, 16, 32, 64, 128, 256]
 # Options of our Model Runner V2 path, by arm-name suffix (ours_v2g_<...>):
 # _keepkv, depth 0 runs the drafter's first forward (no holes in its KV
-# cache); _cal, costs corrected from served step periods; _plaingraphs,
-# one-token FULL graphs for steps that schedule no draft; _skipmeta, target
+# cache); _cal, costs corrected from served step periods; _ugraphs,
+# uniform FULL graphs for depth-0 and depth-1 steps; _skipmeta, target
 # steps build the target layers' attention metadata only.
 V2_OPTION_SUFFIXES = {
     "_keepkv": ("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),
     "_cal": ("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),
-    "_plaingraphs": ("VLLM_AV_PLAIN_DECODE_GRAPHS", "1"),
+    "_ugraphs": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "1"),
     "_skipmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1"),
 }
 
@@ -165,11 +165,11 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         env = drafter_graphs + tuple(V2_OPTION_SUFFIXES[s] for s in
                                      re.findall("|".join(V2_OPTION_SUFFIXES), m.group(1)))
         return Arm(name, family, "ours", av_k, env)
-    m = re.fullmatch(r"ours_v2((?:_plaingraphs)+)", base)
+    m = re.fullmatch(r"ours_v2((?:_ugraphs)+)", base)
     if m and family == "ngram":
-        # ngram on V2 (below) with the one-token decode graphs.
+        # ngram on V2 (below) with the uniform decode graphs.
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"),
-                                               V2_OPTION_SUFFIXES["_plaingraphs"]))
+                                               V2_OPTION_SUFFIXES["_ugraphs"]))
     if base in ("ours_v2", "ours_v2g"):
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU):
         # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
@@ -224,7 +224,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
                      f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g<suffixes: "
                      f"{', '.join(V2_OPTION_SUFFIXES)}>, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
-                     f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2_plaingraphs")
+                     f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2_ugraphs")
 
 
 # ---------------------------------------------------------------- prompts

@@ -168,7 +168,7 @@ main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ours_v2g_plaingraphs,ours_v2g_skipmeta,ours_v2g_plaingraphs_skipmeta,ngram_ours_v2,ngram_ours_v2_plaingraphs
+    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ours_v2g_ugraphs,ours_v2g_skipmeta,ours_v2g_ugraphs_skipmeta,ngram_ours_v2,ngram_ours_v2_ugraphs
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {

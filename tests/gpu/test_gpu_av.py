@@ -50,14 +50,21 @@ RUN_ENGINE = textwrap.dedent(
         step = itertools.count()
         AdaptiveVerifier.choose_depth = (
             lambda self, *a, **kw: 0 if next(step) % 2 == 0 else self.K)
-    replays = {"one_token_graph_replays": 0, "other_full_graph_replays": 0}
-    if cfg.get("probe_plain_graphs"):
+    if cfg.get("fixed_depth") is not None:
+        # Every step at this depth (in-process engine core, as above).
+        from vllm_av.core.verifier import AdaptiveVerifier
+        AdaptiveVerifier.choose_depth = lambda self, *a, **kw: cfg["fixed_depth"]
+    replays = {"uniform_1_graph_replays": 0, "uniform_2_graph_replays": 0,
+               "other_full_graph_replays": 0}
+    if cfg.get("probe_uniform_graphs"):
         # Which FULL graphs the target's steps replay (in-process engine).
         from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
         _run_full = CudaGraphManager.run_fullgraph
         def run_fullgraph(self, desc, *a, **kw):
-            one = desc.uniform_token_count == 1 and desc.max_query_len == 1
-            replays["one_token_graph_replays" if one else "other_full_graph_replays"] += 1
+            u = desc.uniform_token_count
+            key = (f"uniform_{u}_graph_replays" if u in (1, 2) and desc.max_query_len == u
+                   else "other_full_graph_replays")
+            replays[key] += 1
             return _run_full(self, desc, *a, **kw)
         CudaGraphManager.run_fullgraph = run_fullgraph
     llm = LLM(model=cfg["target"], dtype="bfloat16", max_model_len=2048,
@@ -85,7 +92,7 @@ RUN_ENGINE = textwrap.dedent(
             .worker.model_runner
         graphs = getattr(runner.speculator, "_vllm_av_graphs", None)
         counts["drafter_graph_replays"] = graphs.replays if graphs else 0
-    if cfg.get("probe_plain_graphs"):
+    if cfg.get("probe_uniform_graphs"):
         counts.update(replays)
     print("COUNTS " + json.dumps(counts))
     print("RESULT " + json.dumps(outs))
@@ -96,14 +103,15 @@ RUN_ENGINE = textwrap.dedent(
 def run_engine(spec, eager: bool, env_extra: dict, counts: dict | None = None,
                llm_args: dict | None = None, alternate_depth: bool = False,
                probe_drafter_graphs: bool = False,
-               probe_plain_graphs: bool = False) -> list[list[int]]:
+               probe_uniform_graphs: bool = False,
+               fixed_depth: int | None = None) -> list[list[int]]:
     env = dict(os.environ, **env_extra)
-    if alternate_depth or probe_drafter_graphs or probe_plain_graphs:
+    if alternate_depth or probe_drafter_graphs or probe_uniform_graphs or fixed_depth is not None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": TARGET, "spec": spec, "eager": eager, "max_tokens": MAX_TOKENS,
            "extra": llm_args or {}, "alternate_depth": alternate_depth,
            "probe_drafter_graphs": probe_drafter_graphs,
-           "probe_plain_graphs": probe_plain_graphs}
+           "probe_uniform_graphs": probe_uniform_graphs, "fixed_depth": fixed_depth}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_ENGINE, json.dumps(cfg)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -255,14 +263,14 @@ MRV2_ENV = {"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MR
 
 
 def _run_mrv2(plain_outputs, tmp_path, label, env=None, alternate_depth=False, spec=None,
-              probe_plain_graphs=False):
+              probe_uniform_graphs=False, fixed_depth=None):
     from vllm_av.vllm.metrics import read_snapshot
 
     spec = spec or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
                     "enable_adaptive_verification": True}
     counts: dict = {}
     outs = run_engine(spec, eager=False, counts=counts, alternate_depth=alternate_depth,
-                      probe_plain_graphs=probe_plain_graphs,
+                      probe_uniform_graphs=probe_uniform_graphs, fixed_depth=fixed_depth,
                       env_extra={**MRV2_ENV, "VLLM_AV_METRICS_DIR": str(tmp_path), **(env or {})})
     assert_agrees(outs, plain_outputs, label, counts)
     stats = read_snapshot(str(tmp_path))
@@ -322,32 +330,22 @@ def test_adaptive_depth_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, t
     assert stats["depth_steps"] > 0 and 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
 
 
-def test_plain_decode_graphs_on_model_runner_v2_keep_greedy_outputs(plain_outputs, tmp_path):
-    """Option plain_decode_graphs (vllm_av/vllm/mrv2/plain_graphs.py), depth
-    forced to alternate 0, K: steps that schedule no draft replay the
-    one-token FULL graphs, drafting steps the varlen ones, and the outputs
-    agree with no speculation."""
-    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, one-token graphs, depth 0/K",
-                              env={"VLLM_AV_PLAIN_DECODE_GRAPHS": "1"}, alternate_depth=True,
-                              probe_plain_graphs=True)
+def test_uniform_decode_graphs_on_model_runner_v2_keep_greedy_outputs(plain_outputs, tmp_path):
+    """Option uniform_decode_graphs (vllm_av/vllm/mrv2/uniform_graphs.py):
+    with depth forced to alternate 0, K, steps that schedule no draft
+    replay the one-token FULL graphs and drafting steps the varlen ones;
+    then with every step at depth 1, steps with every draft admitted
+    replay the two-token graphs. Outputs agree with no speculation both
+    times."""
+    env = {"VLLM_AV_UNIFORM_DECODE_GRAPHS": "1"}
+    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, uniform graphs, depth 0/K",
+                              env=env, alternate_depth=True, probe_uniform_graphs=True)
     assert counts.get("num_draft_tokens", 0) > 0
-    assert counts["one_token_graph_replays"] > 0 and counts["other_full_graph_replays"] > 0, counts
+    assert counts["uniform_1_graph_replays"] > 0 and counts["other_full_graph_replays"] > 0, counts
     assert 0 < stats["zero_depth_steps"] < stats["depth_steps"], stats
-
-
-def test_skip_draft_layer_metadata_on_model_runner_v2_keeps_greedy_outputs(plain_outputs,
-                                                                          tmp_path):
-    """Option skip_draft_layer_metadata on V2 (vllm_av/vllm/mrv2/draft_metadata.py),
-    depth K so the drafter runs every step beside target steps that no
-    longer build its layers' metadata: outputs agree, and the drafts are as
-    good as without the option (a drafter reading stale metadata would
-    draft poorly: at depth K without it 338 of 434 were accepted, 0.78,
-    sixteenth round)."""
-    counts, stats = _run_mrv2(plain_outputs, tmp_path, "ours on MRV2, skip draft metadata",
-                              env={"VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1",
-                                   "VLLM_AV_ADAPTIVE_DEPTH": "0"})
-    assert counts.get("num_draft_tokens", 0) > 0
-    assert acceptance(counts) >= 0.6, counts
+    counts, _ = _run_mrv2(plain_outputs, tmp_path / "d1", "ours on MRV2, uniform graphs, depth 1",
+                          env=env, fixed_depth=1, probe_uniform_graphs=True)
+    assert counts["uniform_2_graph_replays"] > 0, counts
 
 
 def test_adaptive_depth_on_model_runner_v2_as_served(plain_outputs, tmp_path):

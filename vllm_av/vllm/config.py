@@ -160,11 +160,12 @@ class AVOptions:
     # K=1 paid. Off until measured on a GPU.
     step_period_calibration: bool = False
     # Model Runner V2 with AV: beside each varlen decode graph (captured for
-    # up to K+1 query tokens per request) capture a FULL graph of one token
-    # per request, which a step that schedules no draft replays as plain V2
-    # decoding does (vllm_av/vllm/mrv2/plain_graphs.py). Off until measured
-    # on a GPU: more graphs to capture and hold.
-    plain_decode_graphs: bool = False
+    # up to K+1 query tokens per request) capture FULL graphs of exactly one
+    # and two tokens per request, which steps of depth 0, and of depth 1
+    # with every draft admitted, replay as plain V2 and fixed K=1 do
+    # (vllm_av/vllm/mrv2/uniform_graphs.py). Off until measured on a GPU:
+    # more graphs to capture and hold.
+    uniform_decode_graphs: bool = False
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

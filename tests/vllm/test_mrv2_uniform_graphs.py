@@ -1,5 +1,5 @@
-"""One-token FULL graphs beside Model Runner V2's varlen AV graphs
-(vllm_av/vllm/mrv2/plain_graphs.py).
+"""Uniform FULL graphs (one and two tokens per request) beside Model Runner
+V2's varlen AV graphs (vllm_av/vllm/mrv2/uniform_graphs.py).
 
 vLLM 0.32's own `CudaGraphManager._init_candidates` and `dispatch` run here
 on a manager built without a GPU (only the attributes they read), with our
@@ -18,7 +18,7 @@ from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager  # noqa: E402
 
 from vllm_av.vllm.config import AVOptions  # noqa: E402
-from vllm_av.vllm.mrv2.plain_graphs import MRV2PlainDecodeGraphsPatch  # noqa: E402
+from vllm_av.vllm.mrv2.uniform_graphs import MRV2UniformDecodeGraphsPatch  # noqa: E402
 from vllm_av.vllm.patching import apply_patch, revert_patch  # noqa: E402
 
 K = 7
@@ -28,12 +28,12 @@ SIZES = [1, 2, 4, 8, 16, 32, 64]  # the last two hold more tokens than requests
 
 @pytest.fixture(scope="module", autouse=True)
 def patched():
-    apply_patch(MRV2PlainDecodeGraphsPatch)
+    apply_patch(MRV2UniformDecodeGraphsPatch)
     yield
-    revert_patch(MRV2PlainDecodeGraphsPatch)
+    revert_patch(MRV2UniformDecodeGraphsPatch)
 
 
-def manager(plain_decode_graphs: bool, varlen_decode: bool = True) -> CudaGraphManager:
+def manager(uniform_decode_graphs: bool, varlen_decode: bool = True) -> CudaGraphManager:
     """A V2 graph manager as the runner builds it with AV on (varlen decode,
     FULL_AND_PIECEWISE, K+1 query tokens per request), graphs 'captured'."""
     m = CudaGraphManager.__new__(CudaGraphManager)
@@ -42,7 +42,7 @@ def manager(plain_decode_graphs: bool, varlen_decode: bool = True) -> CudaGraphM
         speculative_config=spec, num_speculative_tokens=K,
         cache_config=SimpleNamespace(use_kda_recoverssm=False),
         additional_config={"vllm_av": AVOptions(
-            plain_decode_graphs=plain_decode_graphs).to_dict()})
+            uniform_decode_graphs=uniform_decode_graphs).to_dict()})
     m.compilation_config = SimpleNamespace(cudagraph_capture_sizes=SIZES,
                                            max_cudagraph_capture_size=max(SIZES))
     m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -75,15 +75,27 @@ def test_depth_zero_step_replays_a_one_token_graph():
         assert d.max_query_len == 1 and d.num_reqs >= r and d.num_tokens >= r
 
 
-def test_steps_with_drafts_scheduled_keep_the_varlen_graph():
+def test_depth_one_step_with_every_draft_admitted_replays_a_two_token_graph():
+    m = manager(True)
+    for r in (1, 3, 8, 16):
+        d = step(m, r, 2, scheduled_max=2)
+        assert d.cg_mode == CUDAGraphMode.FULL and d.uniform_token_count == 2, (r, d)
+        assert d.max_query_len == 2 and d.num_reqs >= r and d.num_tokens >= 2 * r
+
+
+def test_steps_with_drafts_trimmed_or_deeper_keep_the_varlen_graph():
     m = manager(True)
     # Drafts scheduled but none admitted: one token each, the scheduler's bound K+1.
     d = step(m, 4, 1, scheduled_max=K + 1)
     assert d.cg_mode == CUDAGraphMode.FULL and d.uniform_token_count is None
     assert d.max_query_len == K + 1
-    # A mix of draft lengths, and every request at depth K.
-    for lens in ([1, 3, 2, 1], [K + 1] * 2):
-        d = step(m, len(lens), lens, scheduled_max=max(lens))
+    # Depth 2 with a budget of one draft per request: the host's layout is
+    # two tokens each, the device's may not be; the scheduler's bound is 3.
+    d = step(m, 4, 2, scheduled_max=3)
+    assert d.uniform_token_count is None and d.max_query_len == K + 1, d
+    # Depth 1 with some drafts trimmed, a mix of draft lengths, depth K.
+    for lens, bound in (([2, 1, 2], 2), ([1, 3, 2, 1], 3), ([K + 1] * 2, K + 1)):
+        d = step(m, len(lens), lens, scheduled_max=bound)
         assert d.cg_mode == CUDAGraphMode.FULL and d.max_query_len == K + 1, (lens, d)
 
 
@@ -92,22 +104,28 @@ def test_prompt_steps_are_left_to_the_mixed_graphs():
     assert d.cg_mode == CUDAGraphMode.PIECEWISE
 
 
-def test_negative_control_without_the_option_depth_zero_replays_the_varlen_graph():
-    for m in (manager(False), manager(True, varlen_decode=False)):
-        d = step(m, 3, 1, scheduled_max=1)
-        assert d.uniform_token_count != 1 or not m.varlen_decode, d
-        assert all(x.uniform_token_count != 1 for x in m._capture_descs[CUDAGraphMode.FULL])
+def test_negative_control_without_the_option_depth_zero_and_one_replay_the_varlen_graph():
+    m = manager(False)
+    for tokens in (1, 2):
+        d = step(m, 3, tokens, scheduled_max=tokens)
+        assert d.uniform_token_count is None and d.max_query_len == K + 1, d
+    # Without varlen decode (no AV) the option adds nothing of its own.
+    plain = manager(True, varlen_decode=False)
+    assert not any(x.max_query_len == 1 for x in plain._capture_descs.get(CUDAGraphMode.FULL, []))
 
 
-def test_one_token_graphs_are_captured_once_per_size_that_fits_the_requests():
+def test_uniform_graphs_are_captured_once_per_size_that_fits_the_requests():
     off, on = manager(False), manager(True)
     before = off._capture_descs[CUDAGraphMode.FULL]
     after = on._capture_descs[CUDAGraphMode.FULL]
-    twins = [d for d in after if d.uniform_token_count == 1]
-    # One per captured size of at most MAX_REQS tokens (a one-token step of
-    # more requests cannot exist); vLLM's own graphs all still there.
-    assert sorted(d.num_tokens for d in twins) == [s for s in SIZES if s <= MAX_REQS]
-    assert all(d.num_reqs == d.num_tokens for d in twins)
+    for u in (1, 2):
+        twins = [d for d in after if d.uniform_token_count == u]
+        # One per captured size holding a whole number of u-token requests,
+        # at most MAX_REQS of them.
+        want = [s for s in SIZES if s % u == 0 and s // u <= MAX_REQS]
+        assert sorted(d.num_tokens for d in twins) == want, u
+        assert all(d.num_reqs * u == d.num_tokens and d.max_query_len == u for d in twins)
+    twins = [d for d in after if d.uniform_token_count is not None]
     assert set(before) <= set(after) and len(after) == len(before) + len(twins)
     # Largest first, as vLLM captures them; and PIECEWISE untouched.
     assert [d.num_tokens for d in after] == sorted((d.num_tokens for d in after), reverse=True)
