@@ -131,3 +131,34 @@ def test_a_second_engine_in_the_process_registers_without_clashing(tmp_path, mon
     text = generate_latest(registry).decode()
     assert text.count("# TYPE vllm_av:budget gauge") == 1, text
     assert "vllm_av:draft_tokens_drafted_total 5.0" in text, text
+
+
+def test_background_snapshots_leave_the_write_off_the_engines_thread(tmp_path, monkeypatch):
+    # A served engine (metrics_interval > 1) snapshots on its own thread and
+    # writes on the writer's; snapshots posted while one is being written
+    # coalesce to the latest. The write is made slow to tell the two apart.
+    import time
+
+    import vllm_av.vllm.metrics as metrics
+    from vllm_av.vllm.metrics import flush_snapshots, read_snapshot
+
+    real_write = metrics._write
+
+    def slow_write(directory, rank, snap):
+        time.sleep(0.2)
+        real_write(directory, rank, snap)
+
+    monkeypatch.setattr(metrics, "_write", slow_write)
+    v = _verifier()
+    t0 = time.perf_counter()
+    for steps in range(1, 6):
+        v.stats.num_steps = steps
+        write_snapshot(str(tmp_path), v, background=True)
+    posted = time.perf_counter() - t0
+    assert posted < 0.1, posted  # five posts, no write waited for
+    assert flush_snapshots(5.0)
+    assert read_snapshot(str(tmp_path))["steps"] == 5  # the latest one landed
+    # Negative control: a foreground snapshot waits for its write.
+    t0 = time.perf_counter()
+    write_snapshot(str(tmp_path), v)
+    assert time.perf_counter() - t0 >= 0.2

@@ -6,14 +6,19 @@ multiprocess mode. So the worker writes a small JSON snapshot of its
 counters every few steps (atomically: write, then rename) into a directory
 named in our options, and a collector registered in the process that built
 the config reads it at scrape time. A scrape therefore lags the engine by
-at most `metrics_interval` steps.
+at most `metrics_interval` steps. Served engines (an interval above 1)
+hand the file write to a background thread: the snapshot is taken on the
+engine's thread, the write (about 1.7 ms on the development machine, every
+few steps) happens beside it.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import tempfile
+import threading
 
 SNAPSHOT_NAME = "av_stats_rank{rank}.json"
 PREFIX = "vllm_av:"
@@ -51,12 +56,74 @@ def snapshot(verifier, extra: dict | None = None) -> dict:
     }
 
 
-def write_snapshot(directory: str, verifier, rank: int = 0, extra: dict | None = None) -> None:
+def write_snapshot(directory: str, verifier, rank: int = 0, extra: dict | None = None,
+                   background: bool = False) -> None:
+    """Snapshot the verifier now; write it now, or (`background`) on the
+    writer thread, which writes the latest snapshot of each file."""
+    snap = snapshot(verifier, extra)
+    if background:
+        _WRITER.post(directory, rank, snap)
+    else:
+        _write(directory, rank, snap)
+
+
+def _write(directory: str, rank: int, snap: dict) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(snapshot(verifier, extra), f)
+        json.dump(snap, f)
     os.replace(tmp, os.path.join(directory, SNAPSHOT_NAME.format(rank=rank)))
+
+
+class _BackgroundWriter:
+    """One daemon thread writing the latest posted snapshot per file; a
+    snapshot posted while an older one waits replaces it."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._pending: dict[tuple[str, int], dict] = {}
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def post(self, directory: str, rank: int, snap: dict) -> None:
+        with self._cv:
+            self._pending[(directory, rank)] = snap
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="vllm-av-metrics",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every posted snapshot is written (False on timeout)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._pending))
+                batch, self._pending = self._pending, {}
+                self._busy = True
+            try:
+                for (directory, rank), snap in batch.items():
+                    try:
+                        _write(directory, rank, snap)
+                    except OSError:
+                        pass  # a full or removed directory: the next snapshot retries
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+
+_WRITER = _BackgroundWriter()
+atexit.register(_WRITER.flush, 2.0)
+
+
+def flush_snapshots(timeout: float = 5.0) -> bool:
+    """Wait for background snapshot writes of this process."""
+    return _WRITER.flush(timeout)
 
 
 def read_snapshot(directory: str, rank: int = 0) -> dict | None:

@@ -590,8 +590,9 @@ def _maybe_write_metrics(runner, verifier, count_step: bool = True) -> None:
     if steps and steps % options.metrics_interval == 0:
         catch_up = catch_up_of(runner, options)
         extra = {"catch_up_tokens": catch_up.tokens_total} if catch_up is not None else None
+        # Served (interval > 1): the file is written beside the engine's thread.
         write_snapshot(options.metrics_dir, verifier, rank=getattr(runner, "rank", 0) or 0,
-                       extra=extra)
+                       extra=extra, background=options.metrics_interval > 1)
 
 
 class RunnerForgetPatch(VllmPatch):

@@ -562,7 +562,9 @@ class AVManager:
             return
         from vllm_av.vllm.metrics import write_snapshot
 
-        write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank)
+        # Served (interval > 1): the file is written beside the engine's thread.
+        write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank,
+                       background=o.metrics_interval > 1)
 
     def _snapshot_view(self):
         """The fields vllm_av.vllm.metrics.snapshot reads, from host numbers
