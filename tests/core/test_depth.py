@@ -482,41 +482,52 @@ def _best_depth_by_search(v: AdaptiveVerifier, rows, num_sampling, num_other_tok
     return int(np.argmax(rates))
 
 
-def test_skipping_depths_that_cannot_pay_keeps_every_decision(monkeypatch):
-    """The depth search skips a depth whose best case (every slot verified
-    and accepted, at the cost of verifying none) cannot beat the best rate
-    so far; on random survival rows and tables, from drafting that always
-    pays to drafting that never does, the chosen depth must equal a search
-    over every depth. Negative control: a bound that forgets the accepted
-    drafts' tokens is too tight, skips depths that pay, and is caught."""
-    import vllm_av.core.verifier as verifier_mod
-
-    good = verifier_mod.depth_rate_bound
-
-    def too_tight(ns, t, r, d, c):
-        return good(ns, t, r, 0, c)
+def test_the_one_sort_depth_search_decides_as_a_budget_search_per_depth(monkeypatch):
+    """`best_depth` (every depth from one sort) must choose what a budget
+    search at every depth chooses, with the same rate, shallowest on ties:
+    on random survival rows and tables, from drafting that always pays to
+    drafting that never does, with plain steps priced apart, ties from
+    zero and equal rows, and non-finite scores. Negative control: the same
+    search over the slots in row order instead of best first (the one sort
+    left out) takes worse slots first and is caught."""
+    import vllm_av.core.budget as budget_mod
 
     rng = np.random.default_rng(0)
     verify = {1: [1.0], 64: [1.5], 512: [4.0], 4096: [20.0]}
     decisions, caught = [], 0
+    real_argsort = np.argsort
+
+    def unsorted(a, *args, **kwargs):  # the negative control: row order
+        return np.arange(np.size(a))
+
     for draft_ms in (0.3, 1.0, 2.0, 3.0, 30.0):
         v = _verifier(draft_ms, verify=verify,
                       draft_by_depth={1: {1: [0.3 * draft_ms], 64: [0.5 * draft_ms]},
                                       K: {1: [draft_ms], 64: [2 * draft_ms]}})
         v.cost.free_zero_depth = True  # as served when depth 0 skips the drafter
-        v._last_depth = K
-        for _ in range(40):
+        if draft_ms == 2.0:
+            v.cost.set_verify_scale(0, 0.5, plain=True)  # plain steps priced apart
+        for case in range(40):
             R = int(rng.integers(1, 80))
             acc = rng.uniform(0.01, 0.95, size=(R, 1))
-            rows = np.cumprod(np.broadcast_to(acc, (R, K)), axis=1)
-            ids = _ids(R)
-            monkeypatch.setattr(v, "stale_scores", lambda req_ids, n, rows=rows: rows.ravel())
+            rows = np.cumprod(np.broadcast_to(acc, (R, K)), axis=1).astype(
+                np.float32 if case % 2 else np.float64)
+            if case % 7 == 0:
+                rows = np.zeros_like(rows)  # every depth ties at B = 0
+            if case % 11 == 0:
+                rows[0, 0] = np.nan
             want = _best_depth_by_search(v, rows, R, R)
             decisions.append(want)
-            monkeypatch.setattr(verifier_mod, "depth_rate_bound", good)
-            assert v._best_depth(ids, R, R) == want
-            monkeypatch.setattr(verifier_mod, "depth_rate_bound", too_tight)
-            caught += v._best_depth(ids, R, R) != want
+            draft = [float(v.cost.at_depth(d, K).draft_cost(R)) for d in range(K + 1)]
+            d, rate = budget_mod.best_depth(rows, R, R, draft, v.cost)
+            assert d == want and v._search_depth(rows, R, R) == want
+            ref = budget_mod.best_budget(rows[:, :d].ravel(), R, R, R, v.cost.at_depth(d, K))[1]
+            assert rate == ref
+            monkeypatch.setattr(budget_mod.np, "argsort", unsorted)
+            try:
+                caught += budget_mod.best_depth(rows, R, R, draft, v.cost)[0] != want
+            finally:
+                monkeypatch.setattr(budget_mod.np, "argsort", real_argsort)
     assert 0 in decisions and max(decisions) > 0  # both regimes covered
     assert caught > 0  # the check can fail
 

@@ -92,6 +92,62 @@ def best_budget(
     return b, float(rate[b])
 
 
+def best_depth(
+    rows,
+    num_sampling: int,
+    num_other_tokens: int,
+    draft_costs,
+    cost,
+) -> tuple[int, float]:
+    """The drafting depth d in 0..D (D = len(draft_costs) - 1) whose budget
+    reaches the best rate: `best_budget` with the first d columns of `rows`
+    [R, >= D] as the scores and draft_costs[d] as the drafting step, ties to
+    the shallower depth. Every depth at once, from one sort: the slots of
+    depth d are those of column < d, in the same descending order, so depth
+    d's gain for B slots is the running sum over the sorted list with the
+    deeper columns zeroed, read where its B-th slot falls. Returns (d, rate).
+    """
+    rows = np.asarray(rows)
+    D = len(draft_costs) - 1
+    R = rows.shape[0]
+    draft = np.asarray(draft_costs, dtype=np.float64)  # [D + 1]
+    t = int(num_other_tokens)
+    plain = _plain_cost(cost, t)
+    # B = 0 at each depth: drafted (or not), nothing verified.
+    rate0 = num_sampling / np.maximum(draft + plain, 1e-12)  # [D + 1]
+    n = R * D
+    if n == 0:
+        d = int(np.argmax(rate0))
+        return d, float(rate0[d])
+    s = rows[:, :D]
+    s = s if s.dtype == np.float32 else s.astype(np.float64, copy=False)
+    if not np.isfinite(s).all():
+        s = np.where(np.isfinite(s), s, 0.0)
+    flat = s.ravel()  # row-major: slot i is column i % D
+    # Equal scores may come in any order: the sums they make do not change.
+    order = np.argsort(-flat)  # [n], best first
+    top = flat[order].astype(np.float64)
+    col = order % D
+    depths = np.arange(1, D + 1)[:, None]  # [D, 1]
+    inside = col[None, :] < depths  # [D, n]: the slot is drafted at that depth
+    gain = np.cumsum(inside * top, axis=1)  # [D, n]; deeper slots add exactly 0
+    gain += num_sampling
+    count = np.cumsum(inside, axis=1, dtype=np.int32)  # [D, n]: B where the slot is the B-th
+    if hasattr(cost, "verify_cost_range"):
+        verify = cost.verify_cost_range(t, t + n + 1)  # [n + 1], B = 0..n
+    else:
+        verify = cost.verify_cost(t + np.arange(n + 1))
+    step = verify[count]
+    step += draft[1:, None]
+    rate = gain / np.maximum(step, 1e-12, out=step)
+    rate[~inside] = -np.inf
+    # Per depth, B = 0 first, then B = 1..: the first maximum is the smallest B.
+    best = np.maximum(rate0[1:], rate.max(axis=1))  # [D]
+    per_depth = np.concatenate([rate0[:1], best])  # [D + 1]
+    d = int(np.argmax(per_depth))
+    return d, float(per_depth[d])
+
+
 def _plain_cost(cost, num_tokens: int) -> float:
     """Cost of a step that verifies no draft (a plain step)."""
     if getattr(cost, "plain_differs", False):
@@ -99,4 +155,4 @@ def _plain_cost(cost, num_tokens: int) -> float:
     return float(cost.verify_cost(num_tokens))
 
 
-__all__ = ["best_budget", "size_budget"]
+__all__ = ["best_budget", "best_depth", "size_budget"]

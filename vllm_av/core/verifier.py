@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_av.core.budget import best_budget, size_budget
+from vllm_av.core.budget import best_depth, size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
@@ -144,18 +144,6 @@ class _Drafts:
             feats = self.features[0]
             return feats.index_select(0, torch.from_numpy(row).to(feats.device))
         return torch.stack([self.features[s][r] for s, r in zip(source, row)])
-
-
-def depth_rate_bound(num_sampling: int, num_other_tokens: int, num_reqs: int, depth: int,
-                     cost_d) -> float:
-    """Upper bound on the rate `best_budget` can reach at `depth`: every
-    one of the num_reqs * depth slots verified and accepted, at the cost of
-    verifying none of them (verification cost is monotone in tokens)."""
-    verify = float(cost_d.verify_cost(num_other_tokens))
-    if getattr(cost_d, "plain_differs", False):
-        verify = min(verify, float(cost_d.plain_verify_cost(num_other_tokens)))
-    step = float(cost_d.draft_cost(num_reqs)) + verify
-    return (num_sampling + num_reqs * depth) / max(step, 1e-12)
 
 
 def _grown(a: np.ndarray, capacity: int) -> np.ndarray:
@@ -497,22 +485,11 @@ class AdaptiveVerifier:
         return self._search_depth(rows, num_sampling, num_other_tokens)
 
     def _search_depth(self, rows: np.ndarray, num_sampling: int, num_other_tokens: int) -> int:
+        """The depth whose budget reaches the best rate, shallowest on ties
+        (`best_depth`: every depth from one sort of the rows' slots)."""
         R, K = rows.shape
-        best_d, best_rate = 0, -1.0
-        for d in range(K + 1):
-            cost_d = self.cost.at_depth(d, K)
-            # When even the best case cannot beat the best rate so far,
-            # depth d cannot either (ties go shallower): skip its budget
-            # search. Same decision, less host time where drafting does not pay.
-            if d > 0 and best_rate >= 0 and (
-                    depth_rate_bound(num_sampling, num_other_tokens, R, d, cost_d) <= best_rate):
-                continue
-            _, rate = best_budget(
-                rows[:, :d].ravel(), num_sampling, num_other_tokens, R, cost_d,
-            )
-            if rate > best_rate:
-                best_d, best_rate = d, rate
-        return best_d
+        draft = [float(self.cost.at_depth(d, K).draft_cost(R)) for d in range(K + 1)]
+        return best_depth(rows, num_sampling, num_other_tokens, draft, self.cost)[0]
 
     # --------------------------------------------------------------- admit
     def stale_scores(self, req_ids: list[str], num_drafted: np.ndarray) -> np.ndarray:
