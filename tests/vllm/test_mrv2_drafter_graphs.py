@@ -30,12 +30,19 @@ SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512]
 K = 7
 
 
-def test_graphs_are_on_unless_switched_off():
-    assert drafter_graphs_on({})
-    assert drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "1"})
-    assert not drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "0"})
+def test_graphs_follow_our_av_unless_switched():
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.config import AVOptions
+
+    ours = SimpleNamespace(additional_config={"vllm_av": AVOptions().to_dict()})
+    plain = SimpleNamespace(additional_config={})  # fixed K, or vLLM's own AV
+    # Unset: on where our AV serves the engine, vLLM's drafter elsewhere.
+    assert drafter_graphs_on(ours, {}) and not drafter_graphs_on(plain, {})
+    assert drafter_graphs_on(plain, {"VLLM_AV_DRAFTER_GRAPHS": "1"})
+    assert not drafter_graphs_on(ours, {"VLLM_AV_DRAFTER_GRAPHS": "0"})
     with pytest.raises(ValueError, match="VLLM_AV_DRAFTER_GRAPHS"):
-        drafter_graphs_on({"VLLM_AV_DRAFTER_GRAPHS": "yes please"})
+        drafter_graphs_on(ours, {"VLLM_AV_DRAFTER_GRAPHS": "yes please"})
 
 
 def test_shapes_cover_the_capture_sizes_within_the_limits():

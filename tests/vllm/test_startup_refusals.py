@@ -168,26 +168,34 @@ def test_local_argmax_reduction_is_refused(tiny_models):
         engine_config(tiny_models, {"use_local_argmax_reduction": True})
 
 
-@pytest.mark.parametrize("opt_in", ["0", "1"])
-def test_model_runner_v2_is_refused(tiny_models, monkeypatch, opt_in):
-    # On the CPU our V2 path never serves, opted in or not.
+@pytest.mark.parametrize("switch, why", [(None, "needs CUDA"), ("1", "needs CUDA"),
+                                         ("0", "VLLM_AV_MRV2=0")])
+def test_model_runner_v2_is_refused(tiny_models, monkeypatch, switch, why):
+    # On the CPU our V2 path never serves, switched on (the default) or not.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    monkeypatch.setenv("VLLM_AV_MRV2", opt_in)
+    if switch is None:
+        monkeypatch.delenv("VLLM_AV_MRV2", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_AV_MRV2", switch)
     with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0") as e:
         engine_config(tiny_models)
+    assert why in str(e.value)
     assert "VLLM_AV_IMPL=vllm" in str(e.value) and "VLLM_AV_MRV2=1" in str(e.value)
 
 
-def test_model_runner_v2_patches_are_opt_in():
+def test_model_runner_v2_patches_are_on_unless_switched_off():
     from vllm_av.vllm.mrv2.patches import MRV2_PATCHES
     from vllm_av.vllm.plugin import all_patches, runner_patches
 
     def v2(env):
         return [p for p in runner_patches(all_patches(), env) if p in MRV2_PATCHES]
 
-    assert v2({}) == []
-    assert v2({"VLLM_AV_MRV2": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
+    assert v2({}) == list(MRV2_PATCHES)
     assert v2({"VLLM_AV_MRV2": "1"}) == list(MRV2_PATCHES)
+    assert v2({"VLLM_AV_MRV2": "0"}) == []
+    assert v2({"VLLM_AV_MRV2": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
+    with pytest.raises(ValueError, match="VLLM_AV_MRV2"):
+        v2({"VLLM_AV_MRV2": "perhaps"})
 
 
 @pytest.mark.parametrize(

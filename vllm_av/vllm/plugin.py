@@ -95,8 +95,8 @@ def register() -> None:
 
 
 def runner_patches(patches: list, env=None) -> list:
-    """Drop the Model Runner V2 patches unless our V2 path is asked for
-    (VLLM_AV_MRV2=1) and V2 may run (not VLLM_USE_V2_MODEL_RUNNER=0): their
+    """Drop the Model Runner V2 patches where our V2 path is off
+    (VLLM_AV_MRV2=0) or V2 cannot run (VLLM_USE_V2_MODEL_RUNNER=0): their
     targets are V2's own modules, which no other process need import."""
     import os
 

@@ -11,10 +11,11 @@ V2 reached 35-110 tok/s at one request against 425 without speculation
 (fourteenth round) the K=7 step was profiled at 9.1 ms and fixed K=1
 reached 551 tok/s at one request against 486 without speculation.
 
-`MRV2DrafterGraphsPatch` (on with our V2 path; VLLM_AV_DRAFTER_GRAPHS=0
-turns it off) captures the draft model's forward in FULL graphs at start-up
-(after the target's graphs, where V2 captures a speculator's) and replays
-them when the batch fits:
+`MRV2DrafterGraphsPatch` (on where our AV serves a V2 engine;
+VLLM_AV_DRAFTER_GRAPHS=0 turns it off, =1 on for fixed K too) captures
+the draft model's forward in FULL graphs at start-up (after the target's
+graphs, where V2 captures a speculator's) and replays them when the batch
+fits:
 
   prefill graphs  the drafter's first forward over the expanded batch
                   (accepted tokens + correction token per request, at most
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_av.vllm.config import _parse_bool
+from vllm_av.vllm.config import _parse_bool, av_options_of
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -56,10 +57,15 @@ logger = logging.getLogger("vllm.vllm_av")
 ENV_DRAFTER_GRAPHS = "VLLM_AV_DRAFTER_GRAPHS"
 
 
-def drafter_graphs_on(env=None) -> bool:
-    """On unless VLLM_AV_DRAFTER_GRAPHS says off; a typo is an error."""
+def drafter_graphs_on(vllm_config=None, env=None) -> bool:
+    """VLLM_AV_DRAFTER_GRAPHS=1: on for every draft model on V2 (fixed K
+    too); =0: off; unset: on where our AV serves the engine (our options
+    in `vllm_config`), so that an engine without it runs as vLLM ships.
+    A typo is an error."""
     env = os.environ if env is None else env
-    raw = env.get(ENV_DRAFTER_GRAPHS, "1")
+    raw = env.get(ENV_DRAFTER_GRAPHS)
+    if raw is None:
+        return vllm_config is not None and av_options_of(vllm_config) is not None
     try:
         return _parse_bool(raw)
     except ValueError:
@@ -192,7 +198,8 @@ class MRV2DrafterGraphsPatch(VllmPatch):
         runs each draft forward eagerly; on the H200 a K=7 drafting step was
         profiled at 108-170 ms against a 1.9 ms target step, so no drafting
         depth could ever pay there.
-    How: unless VLLM_AV_DRAFTER_GRAPHS=0, `capture` (called by the runner
+    How: where our AV serves the engine (VLLM_AV_DRAFTER_GRAPHS=0: never;
+        =1: for fixed K too), `capture` (called by the runner
         after the target's graphs) captures the draft model's forward in
         FULL graphs over the capture sizes, for the first draft forward
         (the expanded batch, up to K + 2 tokens per request) and for the
@@ -225,7 +232,7 @@ class MRV2DrafterGraphsPatch(VllmPatch):
     def capture(self) -> None:
         type(self)._orig_capture(self)
         self._vllm_av_graphs = None
-        if not drafter_graphs_on() or not getattr(self, "_vllm_av_cg_full", False):
+        if not drafter_graphs_on(self.vllm_config) or not getattr(self, "_vllm_av_cg_full", False):
             return
         _capture(self)
 
