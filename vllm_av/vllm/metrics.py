@@ -8,8 +8,8 @@ named in our options, and a collector registered in the process that built
 the config reads it at scrape time. A scrape therefore lags the engine by
 at most `metrics_interval` steps. Served engines (an interval above 1)
 hand the file write to a background thread: the snapshot is taken on the
-engine's thread, the write (about 1.7 ms on the development machine, every
-few steps) happens beside it.
+engine's thread (about 20 us), the write (0.2 ms on the idle development
+machine, 1.7 ms while it ran other work; every few steps) happens beside it.
 """
 
 from __future__ import annotations
