@@ -247,20 +247,23 @@ if [[ "${JOB_KIND:-start}" == full ]]; then
   # The sweep's whole arm set in one round, split over the two GPUs in two
   # parts that `sweep.py report` merges afterwards (one folder, every JSON
   # keeps its arm): output capped at 512 tokens, temperature 1, and a
-  # greedy pass for the draft-model arms of GPU 0. Fixed K runs on Model
-  # Runner V1, the runner ours uses, where vLLM's draft model is 2-4x
-  # faster than on V2 (seventh and eleventh rounds): the stronger baseline.
-  # GPU 0: ours (the default: async), no speculation (V2), K=1 and K=3,
-  # no speculation on V1, each with its greedy pass after its temperature
-  # pass; the engine test against ours' live server.
+  # greedy pass for the arms of GPU 0. Ours as served on a GPU (our AV
+  # inside Model Runner V2, `ours_v2g`), against vLLM's fixed K with the
+  # V2 drafter in our graphs (`kNg`, the strongest fixed K measured:
+  # vLLM's eager V2 drafter and V1's piecewise one are 2-20x slower).
+  # GPU 0: ours, no speculation (V2), K=1 and K=3, each with its greedy
+  # pass after its temperature pass; the engine test against ours' live
+  # server.
   # GPU 1: vLLM's AV (K=7, V2), K=5 and K=7, the ngram arms (ours, K=3,
-  # K=7; their no speculation is GPU 0's). About 17 minutes after staging.
+  # K=7; their no speculation is GPU 0's). ARMS= and ARMS2= override
+  # (the twelfth round's V1 set: ours_async,nospec,k1v1,k3v1,nospecv1 and
+  # vllm_av,k5v1,k7v1,ngram_ours,ngram_k3v1,ngram_k7v1).
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b \
-      sweep "${ARMS2:-vllm_av,k5v1,k7v1,ngram_ours,ngram_k3v1,ngram_k7v1}" --quiet-start none ) &
+      sweep "${ARMS2:-vllm_av,k5g,k7g,ngram_ours_v2,ngram_k3,ngram_k7}" --quiet-start none ) &
   LANE1=$!
   OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_a GREEDY=1 \
-    ARMS=${ARMS:-ours_async,nospec,k1v1,k3v1,nospecv1} QUIET= main_sweep
+    ARMS=${ARMS:-ours_v2g,nospec,k1g,k3g} QUIET= main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"
