@@ -228,6 +228,46 @@ def test_cost_curves_from_step_timing_samples():
     assert m.cost.draft_cost(8) == pytest.approx(0.2)
 
 
+def test_a_draft_models_drafting_is_profiled_at_depth_one_too(tmp_path):
+    """With adaptive depth, the dummy runs vLLM times are ours to yield:
+    every size at depth K, then (the profile depth set while vLLM runs
+    them) the sizes of at most max_num_reqs at depth 1. Their drafting
+    times price depth 1, and depths between by interpolation; depth K
+    keeps its own. Negative control: timings that do not match the runs
+    fall back to d/K of the K-deep table, with a warning."""
+    from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+    import vllm_av.vllm.mrv2.depth as depth_mod
+
+    def profiled(mismatch=False):
+        rs = _req_states(["a"])
+        m = AVManager(rs, torch.zeros(R_MAX + 1, dtype=torch.int32), num_bonus_tokens=1,
+                      max_total_logits=10_000, draft_model=True,
+                      options=AVOptions(metrics_dir="", scheduled_depth=True))
+        runs = []
+        for batch in m.batches_to_profile([1, 2, 4, 8]):
+            runs.append((batch["num_tokens"], depth_mod._PROFILE_DEPTH["depth"]))
+        assert depth_mod._PROFILE_DEPTH["depth"] is None  # cleared when done
+        # Drafting: 1 ms per request count unit at depth K, 0.3 at depth 1.
+        samples = [StepTimingSample(forward_ms=1.0, num_target_tokens=n, num_reqs=min(n, R_MAX),
+                                    drafter_ms=(0.3 if d == 1 else 1.0) * min(n, R_MAX),
+                                    full_cudagraph=True) for n, d in runs]
+        m.set_initial_cost_curves(samples[:-1] if mismatch else samples)
+        return m, runs
+
+    m, runs = profiled()
+    deep = [n for n, d in runs if d is None]
+    shallow = [n for n, d in runs if d == 1]
+    assert runs == [(n, None) for n in deep] + [(n, 1) for n in shallow]  # K first, then depth 1
+    assert sorted(set(shallow)) == [n for n in sorted(set(deep)) if n <= R_MAX]
+    c = m.cost
+    assert float(c.draft_cost_at_depth(8, 1, K)) == pytest.approx(2.4)
+    assert float(c.draft_cost_at_depth(8, K, K)) == pytest.approx(8.0)
+    assert 2.4 < float(c.draft_cost_at_depth(8, 2, K)) < 8.0
+    m, _ = profiled(mismatch=True)
+    assert float(m.cost.draft_cost_at_depth(8, 1, K)) == pytest.approx(8.0 / K)
+
+
 # ------------------------------------------------------------- estimator
 def test_estimator_predict_writes_features_and_confidences_skipping_padding():
     est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)

@@ -122,6 +122,24 @@ def test_depth_d_runs_d_forwards_then_restores_k(depth):
     torch.testing.assert_close(conf[:, depth:], prior[depth:].expand(3, K - depth))
 
 
+def test_profile_dummy_runs_draft_at_the_profile_depth_only_while_it_is_set():
+    from vllm_av.vllm.mrv2.depth import set_profile_depth
+
+    set_profile_depth(1)
+    try:
+        d = _Drafter()
+        _propose(d, None, dummy_run=True)
+        assert d.forwards == [0] and d.num_speculative_steps == K
+        off = _Drafter(scheduled_depth=False)  # adaptive depth off: vLLM's K
+        _propose(off, None, dummy_run=True)
+        assert off.forwards == list(range(K))
+    finally:
+        set_profile_depth(None)
+    d = _Drafter()
+    _propose(d, None, dummy_run=True)
+    assert d.forwards == list(range(K))
+
+
 def test_full_depth_dummy_runs_and_depth_off_run_unchanged():
     for depth, kwargs, on in ((K, {}, True), (None, {}, True), (1, {"dummy_run": True}, True),
                               (0, {}, False), (2, {}, False)):

@@ -70,6 +70,16 @@ def note_propose(skipped: bool) -> None:
     _LAST_PROPOSE["skipped"] = skipped
 
 
+# The depth the start-up profile's dummy runs draft at (None: vLLM's K).
+# Our manager sets it while vLLM runs the batches it yields for timing, so
+# that the drafter's cost is profiled at depth 1 as well as at K.
+_PROFILE_DEPTH = {"depth": None}
+
+
+def set_profile_depth(depth: int | None) -> None:
+    _PROFILE_DEPTH["depth"] = depth
+
+
 def _depth_options(speculator) -> tuple[bool, bool]:
     """(adaptive depth on, depth 0 runs the drafter's first forward), read
     once from our options: the latter with option zero_depth_skips_drafter
@@ -121,8 +131,9 @@ class MRV2DraftDepthPatch(VllmPatch):
         there is nothing to record (`drafter_skipped`); depth d < K runs the original
         with its step count set to d for the call (its decode loop and its
         one-step early return read that count), then restores K. Slots not
-        drafted get the estimator's prior confidences. Dummy runs and
-        depth K run unchanged.
+        drafted get the estimator's prior confidences. Depth K runs
+        unchanged, and so do dummy runs, except those of our start-up
+        profile at depth 1 (`set_profile_depth`), which draft that deep.
     Upstream: honour `num_speculative_tokens` in StandaloneARSpeculator.propose.
     Remove when: vLLM's V2 draft-model speculator stops at the depth it is given.
     vLLM: 0.32.0
@@ -138,6 +149,11 @@ class MRV2DraftDepthPatch(VllmPatch):
         depth = kwargs.get("num_speculative_tokens")
         note_propose(False)
         on, zero_depth_forward = _depth_options(self)
+        profile_depth = _PROFILE_DEPTH["depth"]
+        if kwargs.get("dummy_run") and on and profile_depth is not None and profile_depth < K:
+            # A start-up profile's dummy run timed at this depth.
+            _propose_steps(self, orig, profile_depth, input_batch, *args, **kwargs)
+            return self.draft_tokens[: input_batch.num_reqs]
         if depth is None or depth >= K or kwargs.get("dummy_run") or not on:
             return orig(self, input_batch, *args, **kwargs)
         n = input_batch.num_reqs

@@ -107,6 +107,17 @@ class _StaleSlot:
         self.refits = -1  # estimator refit whose prior and coefficients it holds
 
 
+def _draft_samples(samples) -> dict[int, list[float]]:
+    """Drafting time per request count, from full-graph steps only: after a
+    target step run without graphs, the drafter's measured time includes
+    waiting for the host to finish launching that step."""
+    draft: dict[int, list[float]] = defaultdict(list)
+    for s in samples:
+        if s.full_cudagraph:
+            draft[int(s.num_reqs)].append(float(s.drafter_ms))
+    return draft
+
+
 def _host_offsets(counts: np.ndarray) -> np.ndarray:
     """[0, c0, c0 + c1, ...] of host counts."""
     out = np.zeros(counts.size + 1, dtype=np.int64)
@@ -146,6 +157,7 @@ class AVManager:
         options: AVOptions | None = None,
         rank: int = 0,
         parallel_drafter: bool = False,
+        draft_model: bool = False,
     ):
         self.req_states = req_states
         self.num_speculative_steps = K = req_states.num_speculative_steps
@@ -158,6 +170,12 @@ class AVManager:
         # A drafter that proposes all K at once (ngram): any depth above 0
         # costs its whole drafting step, and only depth 0 saves it.
         self.parallel_drafter = parallel_drafter
+        # A separate draft model (MRV2DraftDepthPatch stops it at the depth
+        # it is given): with adaptive depth its drafting is also profiled at
+        # depth 1, whose first forward costs more than 1/K of a K-deep step.
+        self.profile_depth_one = bool(draft_model and self.options.scheduled_depth
+                                      and K > 1)
+        self._profiled = (0, 0)  # dummy runs yielded at depth K, then at depth 1
         self.cost: CostModel | None = None
         if self.options.cost_table:
             with open(self.options.cost_table) as f:
@@ -216,27 +234,55 @@ class AVManager:
         self._capture_sizes = captured = sorted(capture_sizes)
         self._cudagraph_limit = top = captured[-1] if captured else 0
         above = _sizes_above(top, self.req_states.max_num_batched_tokens)
-        for num_tokens in captured + [n for n in above if n not in captured]:
-            for _ in range(self.options.profile_repeats):
-                yield {"num_tokens": num_tokens, "context_len": self.options.profile_context_len}
+        sizes = captured + [n for n in above if n not in captured]
+        reps, ctx = self.options.profile_repeats, self.options.profile_context_len
+        self._profiled = (len(sizes) * reps, 0)
+        for num_tokens in sizes:
+            for _ in range(reps):
+                yield {"num_tokens": num_tokens, "context_len": ctx}
+        if not self.profile_depth_one:
+            return
+        # Then the drafter at depth 1 (one dummy run's requests: at most
+        # max_num_reqs, so larger sizes add nothing).
+        from vllm_av.vllm.mrv2.depth import set_profile_depth
+
+        shallow = [n for n in sizes if n <= self.R] or sizes[:1]
+        self._profiled = (len(sizes) * reps, len(shallow) * reps)
+        set_profile_depth(1)
+        try:
+            for num_tokens in shallow:
+                for _ in range(reps):
+                    yield {"num_tokens": num_tokens, "context_len": ctx}
+        finally:
+            set_profile_depth(None)
 
     def set_initial_cost_curves(self, samples) -> None:
         """`samples`: vLLM StepTimingSample (forward_ms, drafter_ms,
         num_target_tokens, num_reqs, full_cudagraph) of the profiled runs."""
+        samples = list(samples)
+        at_k, at_one = self._profiled
+        shallow_runs: list = []
+        if at_one and len(samples) == at_k + at_one:
+            samples, shallow_runs = samples[:at_k], samples[at_k:]
+        elif at_one:
+            logger.warning("vllm-av (MRV2): %d profile timings for %d dummy runs; drafting "
+                           "priced from depth K alone", len(samples), at_k + at_one)
+            samples = samples[:at_k]
         verify: dict[int, list[float]] = defaultdict(list)
-        draft: dict[int, list[float]] = defaultdict(list)
         for s in samples:
             verify[int(s.num_target_tokens)].append(float(s.forward_ms))
-            # Drafting is priced from full-graph steps only: after a target
-            # step run without graphs, the drafter's measured time includes
-            # waiting for the host to finish launching that step.
-            if s.full_cudagraph:
-                draft[int(s.num_reqs)].append(float(s.drafter_ms))
-        self.set_cost_curves(sorted(draft.items()), sorted(verify.items()))
+        draft = _draft_samples(samples)
+        by_depth = None
+        if shallow_runs:
+            by_depth = [(1, sorted(_draft_samples(shallow_runs).items())),
+                        (self.num_speculative_steps, sorted(draft.items()))]
+        self.set_cost_curves(sorted(draft.items()), sorted(verify.items()),
+                             draft_by_depth=by_depth)
 
-    def set_cost_curves(self, draft_curve, verify_curve) -> None:
-        """Curves as (size, ms) or (size, [ms, ...]) pairs. Every TP rank must
-        size the same budget, so rank 0's curves are broadcast."""
+    def set_cost_curves(self, draft_curve, verify_curve, draft_by_depth=None) -> None:
+        """Curves as (size, ms) or (size, [ms, ...]) pairs; `draft_by_depth`:
+        (depth, draft curve) pairs. Every TP rank must size the same budget,
+        so rank 0's curves are broadcast."""
         try:
             from vllm.distributed.parallel_state import get_tp_group
 
@@ -244,8 +290,8 @@ class AVManager:
         except (AssertionError, ImportError, RuntimeError):
             tp = None  # no TP group (tests, single process)
         if tp is not None:
-            draft_curve, verify_curve = tp.broadcast_object(
-                (list(draft_curve), list(verify_curve)), src=0)
+            draft_curve, verify_curve, draft_by_depth = tp.broadcast_object(
+                (list(draft_curve), list(verify_curve), draft_by_depth), src=0)
         if self.options.cost_table and self.cost is not None:
             logger.info("vllm-av (MRV2): %s (from %s)", self.cost.summary(), self.options.cost_table)
         else:
@@ -261,7 +307,8 @@ class AVManager:
                         for n, v in curve}
 
             self.cost = CostModel.from_samples(
-                samples(verify_curve), samples(draft_curve), graph_sizes=self._capture_sizes
+                samples(verify_curve), samples(draft_curve), graph_sizes=self._capture_sizes,
+                draft_by_depth={d: samples(c) for d, c in draft_by_depth or ()} or None,
             )
             logger.info("vllm-av (MRV2): %s", self.cost.summary())
         # Serving starts after these tables: what the estimator saw so far

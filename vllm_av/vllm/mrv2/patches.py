@@ -65,6 +65,7 @@ def maybe_create_adaptive_verification_manager(**kwargs):
         options=options,
         rank=rank,
         parallel_drafter=_speculative_method(kwargs["vllm_config"]) in ("ngram", "ngram_gpu"),
+        draft_model=_speculative_method(kwargs["vllm_config"]) == "draft_model",
     )
     logger.info(
         "vllm-av: adaptive verification on Model Runner V2 (K=%d, ours)",
