@@ -107,7 +107,7 @@ def main() -> int:
     # Before vLLM (and our plugin) read them.
     os.environ["VLLM_AV_IMPL"] = args.impl
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    os.environ["VLLM_AV_MRV2"] = "1"  # our V2 path is opt-in
+    os.environ["VLLM_AV_MRV2"] = "1"  # our V2 path (the default; set in case the caller's env says 0)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # Our manager's counters, as /metrics reads them: a snapshot every step
     # into a directory of our own (the objects themselves may be out of reach).

@@ -298,6 +298,29 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max
               "prompt_lookup_min": 2, "enable_adaptive_verification": True}
 
 
+def test_our_av_is_served_inside_model_runner_v2_by_default(plain_outputs, tmp_path,
+                                                           monkeypatch):
+    """No runner or path chosen (vLLM's default runner, V2 on a GPU, and
+    none of our switches set): the flag is served by our manager inside V2,
+    outputs agree and drafts were verified (our metrics snapshot exists
+    only where our manager ran)."""
+    from vllm_av.vllm.metrics import read_snapshot
+
+    for name in ("VLLM_AV_MRV2", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_AV_IMPL",
+                 "VLLM_AV_DRAFTER_GRAPHS"):
+        monkeypatch.delenv(name, raising=False)
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    counts: dict = {}
+    outs = run_engine(spec, eager=False, counts=counts,
+                      env_extra={"VLLM_AV_METRICS_DIR": str(tmp_path), "VLLM_AV_METRICS_INTERVAL": "1",
+                                 "VLLM_AV_ADAPTIVE_DEPTH": "0"})
+    assert_agrees(outs, plain_outputs, "ours by default (V2)", counts)
+    stats = read_snapshot(str(tmp_path))
+    assert stats is not None and stats["steps"] > 0 and stats["drafted"] > 0, stats
+    assert counts.get("num_draft_tokens", 0) > 0
+
+
 def test_our_av_for_ngram_on_model_runner_v2_keeps_greedy_outputs(plain_outputs, tmp_path):
     """ngram on V2 through MRV2NgramAVPatch (vLLM's GPU ngram speculator
     given the AV seam it lacks), depth K: outputs agree with no
