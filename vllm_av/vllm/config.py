@@ -46,15 +46,22 @@ def _switch_on(name: str, env=None) -> bool:
     return env.get(name, "0").strip().lower() in _TRUE
 
 
-def mrv2_enabled(env=None) -> bool:
-    """Our AV inside Model Runner V2 (CUDA): on unless VLLM_AV_MRV2 says off
-    (then V2 refuses the flag, naming the ways out); a typo is an error."""
+def env_switch(name: str, env=None) -> bool | None:
+    """A switch's value, None when unset; a typo is an error."""
     env = os.environ if env is None else env
-    raw = env.get(ENV_MRV2, "1")
+    raw = env.get(name)
+    if raw is None:
+        return None
     try:
         return _parse_bool(raw)
     except ValueError:
-        raise ValueError(f"{ENV_MRV2}={raw!r}: use 1 or 0") from None
+        raise ValueError(f"{name}={raw!r}: use 1 or 0") from None
+
+
+def mrv2_enabled(env=None) -> bool:
+    """Our AV inside Model Runner V2 (CUDA): on unless VLLM_AV_MRV2 says off
+    (then V2 refuses the flag, naming the ways out)."""
+    return env_switch(ENV_MRV2, env) is not False
 
 
 def cpu_async_for_tests(env=None) -> bool:

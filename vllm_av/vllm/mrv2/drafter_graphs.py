@@ -43,13 +43,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_av.vllm.config import _parse_bool, av_options_of
+from vllm_av.vllm.config import av_options_of, env_switch
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -62,14 +61,10 @@ def drafter_graphs_on(vllm_config=None, env=None) -> bool:
     too); =0: off; unset: on where our AV serves the engine (our options
     in `vllm_config`), so that an engine without it runs as vLLM ships.
     A typo is an error."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_DRAFTER_GRAPHS)
-    if raw is None:
+    on = env_switch(ENV_DRAFTER_GRAPHS, env)
+    if on is None:
         return vllm_config is not None and av_options_of(vllm_config) is not None
-    try:
-        return _parse_bool(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_DRAFTER_GRAPHS}={raw!r}: use 1 or 0") from None
+    return on
 
 
 # ------------------------------------------------------------ graph shapes
