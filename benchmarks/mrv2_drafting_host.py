@@ -11,7 +11,12 @@ work, per call site, for 1..256 decoding requests:
   layout     `reallocate_drafts` when every draft is admitted (the host
              layout and its copy; on CPU tensors here);
   record     `record_confidences` (CPU tensors: no copy stream).
-Median over repeated steps. The device-side costs of the same calls on the
+Median over repeated steps. Per size also, apart: the depth search alone
+(`best_depth`, every depth from one sort) against a budget search at each
+depth (`best_budget` per depth, the search it replaced, without the bound
+that skipped some), and the metrics snapshot written in place against
+handed to the background writer. `--metrics-in-place` writes the steps'
+own snapshots in place too. The device-side costs of the same calls on the
 H200 are in `mrv2_host_costs_h200.json` (benchmarks/mrv2_host_costs.py);
 this is the host's Python and numpy, which under async scheduling is on the
 critical path once the host's step is longer than the GPU's.
@@ -29,7 +34,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+import vllm_av.vllm.metrics as metrics
 from benchmarks.mrv2_depth_overhead import K, cpu_manager
+from vllm_av.core.budget import best_budget, best_depth
 from vllm_av.vllm.mrv1.scheduled_depth import DepthFromVerifier, register_local_verifier
 
 PHASES = ("schedule", "budget", "layout", "record")
@@ -90,23 +97,66 @@ def time_steps(R: int, steps: int, metrics_dir: str, seed: int = 0) -> dict:
     return row
 
 
+def _median_us(fn, reps: int = 300) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(times))
+
+
+def time_parts(R: int, metrics_dir: str, seed: int = 0) -> dict:
+    """The depth search and the snapshot write, each alone."""
+    m = _manager(R, metrics_dir)
+    rng = np.random.default_rng(seed)
+    acc = rng.uniform(0.3, 0.9, (R, 1))
+    rows = np.cumprod(np.broadcast_to(acc, (R, K)), axis=1).astype(np.float32)
+    cost = m.cost
+    draft = [float(cost.at_depth(d, K).draft_cost(R)) for d in range(K + 1)]
+
+    def per_depth():
+        for d in range(K + 1):
+            best_budget(rows[:, :d].ravel(), R, R, R, cost.at_depth(d, K))
+
+    view = m._snapshot_view()
+    in_place = _median_us(lambda: metrics.write_snapshot(metrics_dir, view))
+    handed = _median_us(lambda: metrics.write_snapshot(metrics_dir, view, background=True))
+    metrics.flush_snapshots()
+    return {"search_one_sort_us": _median_us(lambda: best_depth(rows, R, R, draft, cost)),
+            "search_per_depth_us": _median_us(per_depth),
+            "snapshot_in_place_us": in_place, "snapshot_handed_us": handed}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1,16,64,256")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--out", default=None)
+    p.add_argument("--metrics-in-place", action="store_true",
+                   help="the steps' snapshots written on the engine's thread (as before "
+                        "the background writer)")
     args = p.parse_args()
+    if args.metrics_in_place:
+        write = metrics.write_snapshot
+        metrics.write_snapshot = lambda *a, background=False, **k: write(*a, **k)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for R in (int(x) for x in args.sizes.split(",")):
             row = time_steps(R, args.steps, tmp)
+            row.update(time_parts(R, tmp))
             rows.append(row)
             print(f"R={R}: " + ", ".join(f"{p} {row[p + '_us_median']:.0f} us" for p in PHASES)
                   + f"; total {row['total_us_median']:.0f} us (mean {row['total_us_mean']:.0f}, "
                   f"p99 {row['total_us_p99']:.0f}; mean depth chosen "
-                  f"{row['mean_depth_chosen']:.2f})")
+                  f"{row['mean_depth_chosen']:.2f}); search {row['search_one_sort_us']:.0f} us "
+                  f"(per depth {row['search_per_depth_us']:.0f}); snapshot "
+                  f"{row['snapshot_in_place_us']:.0f} us in place, "
+                  f"{row['snapshot_handed_us']:.0f} handed over")
+    command = "python benchmarks/mrv2_drafting_host.py" + (
+        " --metrics-in-place" if args.metrics_in_place else "")
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-              "command": "python benchmarks/mrv2_drafting_host.py", "rows": rows}
+              "command": command, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
