@@ -183,6 +183,11 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         env = drafter_graphs if base == "ours_v2g" else (
             ("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"), ("VLLM_AV_DRAFTER_GRAPHS", "0"))
         return Arm(name, family, "ours", av_k, env)
+    if base == "ours_served":
+        # Ours with none of our switches set: what `vllm serve` with the flag
+        # gets (on a GPU our AV inside Model Runner V2, a draft model's
+        # forwards in our graphs; on the CPU Model Runner V1).
+        return Arm(name, family, "ours", av_k)
     if base == "ours":
         # Our AV on Model Runner V1 (the only runner on CPU) with synchronous
         # scheduling and per-slot trimming (the default before the tenth
@@ -221,7 +226,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
             env += (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
         return Arm(name, family, "vllm_av", av_k, env)
     raise ValueError(f"unknown arm {name!r}: use nospec, nospecv1, nospecv1sync, k<N>, k<N>v1, "
-                     f"k<N>g, vllm_av, ours, ours_v2, ours_v2g, ours_v2g<suffixes: "
+                     f"k<N>g, vllm_av, ours_served, ours, ours_v2, ours_v2g, ours_v2g<suffixes: "
                      f"{', '.join(V2_OPTION_SUFFIXES)}>, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
                      f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2_ugraphs")

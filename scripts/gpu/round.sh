@@ -168,7 +168,7 @@ main_sweep() {
   sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ours_v2g_ugraphs,ours_v2g_skipmeta,ours_v2g_ugraphs_skipmeta,ngram_ours_v2,ngram_ours_v2_ugraphs
+    --after-arm-arms ours_served,ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ours_v2g_ugraphs,ours_v2g_skipmeta,ours_v2g_ugraphs_skipmeta,ngram_ours_v2,ngram_ours_v2_ugraphs
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {
@@ -245,25 +245,35 @@ if [[ "${JOB_KIND:-start}" == focus ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == full ]]; then
   # The sweep's whole arm set in one round, split over the two GPUs in two
-  # parts that `sweep.py report` merges afterwards (one folder, every JSON
-  # keeps its arm): output capped at 512 tokens, temperature 1, and a
-  # greedy pass for the arms of GPU 0. Ours as served on a GPU (our AV
-  # inside Model Runner V2, `ours_v2g`), against vLLM's fixed K with the
-  # V2 drafter in our graphs (`kNg`, the strongest fixed K measured:
-  # vLLM's eager V2 drafter and V1's piecewise one are 2-20x slower).
-  # GPU 0: ours, no speculation (V2), K=1 and K=3, each with its greedy
-  # pass after its temperature pass; the engine test against ours' live
-  # server.
-  # GPU 1: vLLM's AV (K=7, V2), K=5 and K=7, the ngram arms (ours, K=3,
-  # K=7; their no speculation is GPU 0's). ARMS= and ARMS2= override
-  # (the twelfth round's V1 set: ours_async,nospec,k1v1,k3v1,nospecv1 and
-  # vllm_av,k5v1,k7v1,ngram_ours,ngram_k3v1,ngram_k7v1).
+  # parts that `sweep.py combine` merges afterwards (every JSON keeps its
+  # arm): output capped at 512 tokens, temperature 1 and a greedy pass for
+  # every arm. Ours as `vllm serve` gets it with nothing set
+  # (`ours_served`: our AV inside Model Runner V2, the draft model in our
+  # graphs), against vLLM's fixed K with the V2 drafter in our graphs
+  # (`kNg`, the strongest fixed K measured: vLLM's eager V2 drafter and
+  # V1's piecewise one are 2-20x slower), no speculation on V2 and vLLM's
+  # AV. What is compared most lands on one GPU.
+  # GPU 0: vLLM's AV (started first, alone, for its start-up profile on a
+  # quiet GPU), ours, ours with the V2 options on (OPTION_ARM, empty
+  # skips), no speculation, K=1 and K=3; the engine test against ours'
+  # live server.
+  # GPU 1: K=5 and K=7, then the ngram family whole: no speculation (the
+  # same server as GPU 0's: the two GPUs' control), ours, K=3 and K=7;
+  # then AV_TESTS, if set.
+  # ARMS= and ARMS2= override (the twelfth round's V1 set:
+  # ours_async,nospec,k1v1,k3v1,nospecv1 and vllm_av,k5v1,k7v1,ngram_ours,
+  # ngram_k3v1,ngram_k7v1).
+  OPTION_ARM=${OPTION_ARM-ours_v2g_ugraphs_skipmeta}
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b \
-      sweep "${ARMS2:-vllm_av,k5g,k7g,ngram_ours_v2,ngram_k3,ngram_k7}" --quiet-start none ) &
+    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b GREEDY=1 \
+      sweep "${ARMS2:-k5g,k7g,ngram_nospec,ngram_ours_served,ngram_k3,ngram_k7}" --quiet-start none \
+      --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
+      --after-arm-arms ngram_ours_served
+    # AV_TESTS: greedy tests (a pytest -k selection) once the arms are done.
+    [[ -n ${AV_TESTS:-} ]] && av_tests ) &
   LANE1=$!
-  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_a GREEDY=1 \
-    ARMS=${ARMS:-ours_v2g,nospec,k1g,k3g} QUIET= main_sweep
+  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_a GREEDY=1 QUIET=${QUIET-vllm_av} \
+    ARMS=${ARMS:-vllm_av,ours_served${OPTION_ARM:+,$OPTION_ARM},nospec,k1g,k3g} main_sweep
   wait $LANE1
   log "done"
   touch "$RES/DONE"

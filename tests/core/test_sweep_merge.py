@@ -137,6 +137,11 @@ def test_arms_build_the_documented_speculative_configs():
         "VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_UNIFORM_DECODE_GRAPHS": "1"}
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("ours_v2g_nosuch")
+    # Ours as served: the flag and nothing else, in either family.
+    for name, family in (("ours_served", "draft"), ("ngram_ours_served", "ngram")):
+        served = sweep.make_arm(name)
+        assert (served.role, served.family, served.env, served.args) == ("ours", family, (), ())
+        assert served.speculative_config("D")["enable_adaptive_verification"] is True
     # GPU baselines run plain vLLM (plugin off); CPU ones keep the plugin's
     # sampling fix.
     assert dict(sweep.make_arm("k3", baselines_on_v1=True).env) == {
