@@ -33,6 +33,7 @@ def mrv2_req_states(ids, K, max_num_reqs):
         max_num_batched_tokens=64, req_id_to_index={r: i for i, r in enumerate(ids)},
         num_computed_tokens_np=np.full(max_num_reqs, 100, dtype=np.int32),
         prefill_len=SimpleNamespace(np=np.full(max_num_reqs, 10, dtype=np.int32)),
+        all_token_ids=SimpleNamespace(gpu=torch.zeros(max_num_reqs, 128, dtype=torch.int32)),
     )
 
 

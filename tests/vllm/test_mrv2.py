@@ -371,17 +371,6 @@ def test_ngram_is_routed_to_model_runner_v2_with_our_seam():
         assert cfg.additional_config["vllm_av"]["scheduled_depth"] is True
 
 
-def test_model_runner_v1_only_options_are_named_when_set_on_v2():
-    from vllm_av.vllm.config import AVOptions
-    from vllm_av.vllm.config_patch import v1_only_options_set
-
-    assert v1_only_options_set(AVOptions()) == []
-    assert v1_only_options_set(AVOptions(drafter_catch_up=True)) == ["drafter_catch_up"]
-    # skip_draft_layer_metadata has a V2 form (vllm_av/vllm/mrv2/draft_metadata.py).
-    assert v1_only_options_set(AVOptions(drafter_catch_up=True, skip_draft_layer_metadata=True)) \
-        == ["drafter_catch_up"]
-
-
 def test_prior_confidences_are_kept_between_refits_and_follow_each_refit():
     est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
     first = est.prior_confidences()

@@ -157,12 +157,14 @@ def test_failed_draft_restores_the_step_count():
 
 # ------------------------------------------------------------ the choice
 def _manager(ids, draft_ms, tmp_path, scheduled_depth=True, zero_depth_skips_drafter=True,
-             parallel_drafter=False):
-    m = AVManager(mrv2_req_states(ids, K, R_MAX), torch.zeros(R_MAX + 1, dtype=torch.int32),
+             parallel_drafter=False, drafter_catch_up=False, req_states=None):
+    m = AVManager(req_states or mrv2_req_states(ids, K, R_MAX),
+                  torch.zeros(R_MAX + 1, dtype=torch.int32),
                   num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
                                     scheduled_depth=scheduled_depth,
-                                    zero_depth_skips_drafter=zero_depth_skips_drafter),
+                                    zero_depth_skips_drafter=zero_depth_skips_drafter,
+                                    drafter_catch_up=drafter_catch_up),
                   parallel_drafter=parallel_drafter)
     for i in range(len(ids)):
         m.add_request(i)
@@ -226,6 +228,27 @@ def test_depth_steps_reach_metrics_without_any_budgeted_step(tmp_path, verifier_
     snap = read_snapshot(str(tmp_path))
     assert snap and snap["depth_steps"] == 3 and snap["zero_depth_steps"] == 3
     assert snap["depth_counts"] == [3] + [0] * K  # per depth 0..K
+
+
+def test_with_catch_up_the_manager_reads_the_token_history_and_reports_the_positions(
+        tmp_path, verifier_slot):
+    from vllm_av.vllm.metrics import read_snapshot
+    from vllm_av.vllm.mrv2 import catch_up
+
+    states = mrv2_req_states(["a"], K, R_MAX)
+    m = _manager(["a"], draft_ms=50.0, tmp_path=tmp_path, drafter_catch_up=True,
+                 req_states=states)
+    assert catch_up._STATE["history"] is states.all_token_ids
+    ledger = catch_up.CatchUpLedger(R_MAX)
+    catch_up.bind_ledger(ledger)
+    ledger.skipped(["a"], [0], [6])
+    ledger.windows(["a"], [0], [100], room=100)
+    _choices(m, ["a"], steps=1)
+    assert read_snapshot(str(tmp_path))["catch_up_tokens"] == 6
+    # Without the option the snapshot has no such field.
+    _choices(_manager(["a"], draft_ms=50.0, tmp_path=tmp_path / "off"), ["a"], steps=1)
+    assert "catch_up_tokens" not in read_snapshot(str(tmp_path / "off"))
+    catch_up.bind_ledger(None)
 
 
 def test_without_scheduled_depth_the_manager_drafts_k(tmp_path, verifier_slot):

@@ -161,10 +161,13 @@ class AVOptions:
     skip_draft_layer_metadata: bool = False
     # With zero_depth_skips_drafter and a draft model, a step that drafts
     # first runs the draft model over the positions it missed while skipped
-    # (vllm_av/vllm/mrv1/drafter_catch_up.py), so drafts after depth-0
-    # stretches see a whole KV cache (under async scheduling from a device
-    # record of skipped steps' tokens). Off until measured on a GPU: the
-    # catch-up's cost is not yet in the depth choice.
+    # (vllm_av/vllm/mrv1/drafter_catch_up.py; on Model Runner V2
+    # vllm_av/vllm/mrv2/catch_up.py, its first draft forward widened by
+    # the missed positions), so drafts after depth-0 stretches see a whole
+    # KV cache (on V1 under async scheduling from a device record of
+    # skipped steps' tokens, on V2 from the runner's token history). Off
+    # until measured on a GPU: the catch-up's cost is not yet in the depth
+    # choice.
     drafter_catch_up: bool = False
     # Model Runner V2 with adaptive depth: correct the costs from the period
     # between two scheduled steps (async scheduling asks for a depth once a

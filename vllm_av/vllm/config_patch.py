@@ -114,15 +114,6 @@ def mrv2_available() -> bool:
     return available()
 
 
-# Options our Model Runner V1 patches read and V2 has no counterpart for.
-V1_ONLY_OPTIONS = ("drafter_catch_up",)
-
-
-def v1_only_options_set(options) -> list[str]:
-    """The V1-only options switched on in `options`."""
-    return [n for n in V1_ONLY_OPTIONS if getattr(options, n)]
-
-
 # Speculators whose drafting depth Model Runner V2 can be told each step.
 MRV2_DEPTH_METHODS = ("draft_model", "ngram", "ngram_gpu")
 
@@ -165,11 +156,6 @@ def route_mrv2(vllm_config) -> None:
                                    f"{', '.join(MRV2_DEPTH_METHODS)} on Model Runner V2)"
                                    if options.adaptive_depth else ""),
     )
-    ignored = v1_only_options_set(options)
-    if ignored:
-        logger.warning("vllm-av: %s set but Model Runner V1 only: ignored on Model "
-                       "Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=0 to use them)",
-                       ", ".join(f"VLLM_AV_{n.upper()}" for n in ignored))
 
 
 class RouteAdaptiveVerificationPatch(VllmPatch):

@@ -31,6 +31,7 @@ import numpy as np
 
 from vllm_av.core.verifier import AdaptiveVerifier
 from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.mrv2.catch_up import CatchUpLedger, bind_ledger, plan_for, set_plan
 from vllm_av.vllm.patching import VllmPatch
 
 
@@ -80,17 +81,52 @@ def set_profile_depth(depth: int | None) -> None:
     _PROFILE_DEPTH["depth"] = depth
 
 
-def _depth_options(speculator) -> tuple[bool, bool]:
-    """(adaptive depth on, depth 0 runs the drafter's first forward), read
-    once from our options: the latter with option zero_depth_skips_drafter
-    off, so that the drafter's KV cache has no holes."""
+def _depth_options(speculator) -> tuple[bool, bool, bool]:
+    """(adaptive depth on, depth 0 runs the drafter's first forward, the
+    drafter catches up on what depth-0 steps skipped), read once from our
+    options: the second with option zero_depth_skips_drafter off, so that
+    the drafter's KV cache has no holes; the third with it on and option
+    drafter_catch_up, which fills the holes when the drafter next runs."""
     cached = getattr(speculator, "_vllm_av_depth_options", None)
     if cached is None:
         options = av_options_of(speculator.vllm_config)
         on = bool(options is not None and options.scheduled_depth)
-        cached = (on, on and not options.zero_depth_skips_drafter)
+        keep = on and not options.zero_depth_skips_drafter
+        cached = (on, keep, on and not keep and options.drafter_catch_up)
         speculator._vllm_av_depth_options = cached
     return cached
+
+
+def _ledger(speculator) -> CatchUpLedger:
+    ledger = getattr(speculator, "_vllm_av_catch_up", None)
+    if ledger is None:
+        ledger = speculator._vllm_av_catch_up = CatchUpLedger(speculator.max_num_reqs)
+        bind_ledger(ledger)
+    return ledger
+
+
+def _query_lens(input_batch) -> np.ndarray:
+    qsl = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
+    return np.diff(qsl)
+
+
+def _drafting(speculator, orig, steps: int | None, catch_up: bool, input_batch,
+              *args, **kwargs) -> None:
+    """vLLM's propose at `steps` forwards (None: K), the first one widened
+    by the positions each request missed when catching up."""
+    plan = None
+    if catch_up:
+        input_batch, plan = plan_for(_ledger(speculator), input_batch,
+                                     speculator.num_speculative_steps,
+                                     speculator.expanded_input_ids.shape[0])
+    set_plan(plan)
+    try:
+        if steps is None:
+            orig(speculator, input_batch, *args, **kwargs)
+        else:
+            _propose_steps(speculator, orig, steps, input_batch, *args, **kwargs)
+    finally:
+        set_plan(None)
 
 
 def _propose_steps(speculator, orig, steps: int, *args, **kwargs) -> None:
@@ -134,6 +170,10 @@ class MRV2DraftDepthPatch(VllmPatch):
         drafted get the estimator's prior confidences. Depth K runs
         unchanged, and so do dummy runs, except those of our start-up
         profile at depth 1 (`set_profile_depth`), which draft that deep.
+        With option drafter_catch_up, depth-0 steps enter their queries in
+        a `CatchUpLedger` and the next drafting call hands vLLM a batch
+        widened by what each request missed (MRV2CatchUpInputsPatch lays
+        it out).
     Upstream: honour `num_speculative_tokens` in StandaloneARSpeculator.propose.
     Remove when: vLLM's V2 draft-model speculator stops at the depth it is given.
     vLLM: 0.32.0
@@ -148,15 +188,18 @@ class MRV2DraftDepthPatch(VllmPatch):
         K = self.num_speculative_steps
         depth = kwargs.get("num_speculative_tokens")
         note_propose(False)
-        on, zero_depth_forward = _depth_options(self)
+        on, zero_depth_forward, catch_up = _depth_options(self)
         profile_depth = _PROFILE_DEPTH["depth"]
         if kwargs.get("dummy_run") and on and profile_depth is not None and profile_depth < K:
             # A start-up profile's dummy run timed at this depth.
             _propose_steps(self, orig, profile_depth, input_batch, *args, **kwargs)
             return self.draft_tokens[: input_batch.num_reqs]
-        if depth is None or depth >= K or kwargs.get("dummy_run") or not on:
+        if kwargs.get("dummy_run") or not on:
             return orig(self, input_batch, *args, **kwargs)
         n = input_batch.num_reqs
+        if depth is None or depth >= K:
+            _drafting(self, orig, None, catch_up, input_batch, *args, **kwargs)
+            return self.draft_tokens[:n]
         depth = max(int(depth), 0)
         if depth == 0:
             # Nothing verified, nothing to record: the buffer's confidences
@@ -166,8 +209,12 @@ class MRV2DraftDepthPatch(VllmPatch):
                 # Only the first forward, for the drafter's KV cache; the
                 # runner masks its draft (depth 0).
                 _propose_steps(self, orig, 1, input_batch, *args, **kwargs)
+            elif catch_up:
+                # The drafter misses this step's positions until it next runs.
+                _ledger(self).skipped(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
+                                      _query_lens(input_batch))
             return self.draft_tokens[:n]
-        _propose_steps(self, orig, depth, input_batch, *args, **kwargs)
+        _drafting(self, orig, depth, catch_up, input_batch, *args, **kwargs)
         _prior_for_undrafted(self, n, depth)
         return self.draft_tokens[:n]
 

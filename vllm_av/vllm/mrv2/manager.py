@@ -53,6 +53,7 @@ from vllm_av.core.verifier import record_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
+from vllm_av.vllm.mrv2.catch_up import bind_token_history, positions_caught_up
 
 logger = logging.getLogger("vllm.vllm_av")
 
@@ -160,6 +161,9 @@ class AVManager:
         draft_model: bool = False,
     ):
         self.req_states = req_states
+        if options is not None and options.drafter_catch_up:
+            # The drafter's catch-up reads missed positions' tokens there.
+            bind_token_history(req_states.all_token_ids)
         self.num_speculative_steps = K = req_states.num_speculative_steps
         self.device = device = torch.device(req_states.device)
         self.num_bonus_tokens = num_bonus_tokens
@@ -609,8 +613,9 @@ class AVManager:
             return
         from vllm_av.vllm.metrics import write_snapshot
 
+        extra = {"catch_up_tokens": positions_caught_up()} if o.drafter_catch_up else None
         # Served (interval > 1): the file is written beside the engine's thread.
-        write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank,
+        write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank, extra=extra,
                        background=o.metrics_interval > 1)
 
     def _snapshot_view(self):

@@ -16,6 +16,7 @@ import importlib
 import logging
 
 from vllm_av.vllm.config import av_options_of
+from vllm_av.vllm.mrv2.catch_up import MRV2CatchUpInputsPatch
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
 from vllm_av.vllm.mrv2.draft_metadata import MRV2DraftLayerMetadataPatch
 from vllm_av.vllm.mrv2.drafter_graphs import MRV2DrafterGraphsPatch
@@ -136,7 +137,8 @@ class MRV2EstimatorPatch(VllmPatch):
 
 MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
-                MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch]
+                MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch,
+                MRV2CatchUpInputsPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:

@@ -1,0 +1,296 @@
+"""Drafter catch-up on Model Runner V2 (option drafter_catch_up).
+
+With adaptive depth a depth-0 step skips the draft model
+(MRV2DraftDepthPatch), so the draft model's KV cache never receives the
+positions that step computed, prompt chunks included. Drafts made over
+those holes are poor (seventeenth H200 round: 19% accepted at the first
+position against fixed K=1's 71-90%), the estimator learns that drafting
+does not pay, and the depth stays at 0. Running the drafter's first
+forward on every depth-0 step (option zero_depth_skips_drafter off) keeps
+the cache whole at the price of a drafter forward per step.
+
+The catch-up fills the holes when the drafter next runs instead: vLLM's
+first draft forward already lays out, per request, the step's accepted
+tokens and the correction token; each request's rows are widened at the
+front by the positions it may have missed, read from the runner's token
+history (`RequestState.all_token_ids`, which holds every prompt and
+sampled token by position). One forward then writes the missed KV and
+drafts, and depth-0 steps stay plain.
+
+The host knows how far back to reach without reading the device:
+`CatchUpLedger` adds up, per request, the tokens scheduled on the steps
+that skipped the drafter (an upper bound on the positions missed: the
+first skipped step after a drafting one may verify drafts that are then
+rejected). Reaching further back than needed rewrites positions whose KV
+is already right with the same tokens, which changes nothing. A window is
+capped at a lower bound of the request's first position, so it never
+reaches before the sequence, and the windows of one step at the room the
+drafter's input buffers have left; what a cap leaves out stays a hole.
+
+Nothing here reads a drafted token: the windows come from the schedule
+(DESIGN 2.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+
+class CatchUpLedger:
+    """Per request slot (vLLM's request-state index): how many positions
+    before its next query the draft model may have missed."""
+
+    def __init__(self, max_num_reqs: int) -> None:
+        self.behind = np.zeros(max_num_reqs, dtype=np.int64)
+        self.owner: list[str | None] = [None] * max_num_reqs
+        self.tokens_total = 0  # positions run again in windows, all steps
+        self.dropped = 0  # positions a cap left as holes, all steps
+
+    def _claim(self, req_ids, slots) -> None:
+        # A slot handed to another request starts with nothing missed.
+        for rid, s in zip(req_ids, slots):
+            if self.owner[s] != rid:
+                self.owner[s] = rid
+                self.behind[s] = 0
+
+    def skipped(self, req_ids, slots, query_lens) -> None:
+        """The drafter did not run over this step's queries."""
+        slots = np.asarray(slots)
+        self._claim(req_ids, slots)
+        self.behind[slots] += np.asarray(query_lens, dtype=np.int64)
+
+    def windows(self, req_ids, slots, first_position_lb, room: int) -> np.ndarray:
+        """The drafter runs over this step's queries: per request, how many
+        positions before its query to run it over too, and then nothing is
+        missed. `first_position_lb`: a lower bound of each query's first
+        position; `room`: the rows the input buffers have left."""
+        slots = np.asarray(slots)
+        self._claim(req_ids, slots)
+        want = self.behind[slots]
+        w = np.minimum(want, np.maximum(np.asarray(first_position_lb, dtype=np.int64), 0))
+        # Fill the room in batch order; a request that does not fit gets
+        # what is left.
+        total = np.cumsum(w)
+        over = total > max(int(room), 0)
+        if over.any():
+            before = np.concatenate(([0], total[:-1]))
+            w = np.where(over, np.maximum(max(int(room), 0) - before, 0), w)
+        self.tokens_total += int(w.sum())
+        self.dropped += int((want - w).sum())
+        self.behind[slots] = 0
+        return w
+
+
+@dataclasses.dataclass
+class CatchUpPlan:
+    """One step's windows, for the layout of the drafter's first forward."""
+
+    windows: np.ndarray  # [num_reqs] positions before each query
+    query_start_loc_np: np.ndarray  # the target's, [num_reqs + 1]
+
+
+# The token history of the engine this process serves (one per process),
+# its drafter's ledger and the plan of the drafting step in flight, if it
+# has windows.
+_STATE: dict = {"history": None, "ledger": None, "plan": None}
+
+
+def bind_token_history(all_token_ids) -> None:
+    """The runner's RequestState.all_token_ids (its `.gpu` view is read)."""
+    _STATE["history"] = all_token_ids
+
+
+def bind_ledger(ledger: CatchUpLedger) -> None:
+    _STATE["ledger"] = ledger
+
+
+def positions_caught_up() -> int:
+    """Positions run again in windows so far (for /metrics)."""
+    ledger = _STATE["ledger"]
+    return ledger.tokens_total if ledger is not None else 0
+
+
+def set_plan(plan: CatchUpPlan | None) -> None:
+    _STATE["plan"] = plan
+
+
+def expanded_layout(query_start_loc_np: np.ndarray, windows: np.ndarray,
+                    max_num_reqs: int) -> np.ndarray:
+    """Where each request's rows start in the drafter's first forward
+    (`max_num_reqs + 1` entries, past the batch all at the total): its
+    window, its scheduled tokens and one correction row each."""
+    n = len(windows)
+    lens = np.diff(query_start_loc_np[: n + 1]) + 1 + windows
+    out = np.empty(max_num_reqs + 1, dtype=np.int64)
+    out[0] = 0
+    np.cumsum(lens, out=out[1 : n + 1])
+    out[n + 1 :] = out[n]
+    return out
+
+
+def _kernel():
+    from vllm.triton_utils import tl, triton
+
+    @triton.jit
+    def caught_up_inputs(
+        target_ids_ptr, target_pos_ptr, history_ptr, history_stride,
+        last_sampled_ptr, idx_mapping_ptr, query_start_loc_ptr, seq_lens_ptr,
+        num_rejected_ptr, layout_ptr, windows_offset,
+        out_ids_ptr, out_pos_ptr, last_index_ptr, out_seq_lens_ptr,
+        max_model_len, BLOCK: tl.constexpr,
+    ):
+        # One request: [window from the history | accepted tokens |
+        # correction token | rejected rows], positions consecutive.
+        i = tl.program_id(0)
+        slot = tl.load(idx_mapping_ptr + i).to(tl.int64)
+        q0 = tl.load(query_start_loc_ptr + i)
+        n_query = tl.load(query_start_loc_ptr + i + 1) - q0
+        n_valid = n_query - tl.load(num_rejected_ptr + i)
+        w = tl.load(layout_ptr + windows_offset + i).to(tl.int32)
+        first = tl.load(layout_ptr + i)
+        start = tl.load(target_pos_ptr + q0)
+        correction = tl.load(last_sampled_ptr + slot).to(tl.int32)
+        total = w + n_query + 1
+        for b in range(0, total, BLOCK):
+            j = b + tl.arange(0, BLOCK)
+            live = j < total
+            k = j - w
+            in_window = k < 0
+            pos = start + k
+            old = tl.load(history_ptr + slot * history_stride + pos,
+                          mask=live & in_window, other=0)
+            new = tl.load(target_ids_ptr + q0 + k, mask=live & (k >= 0) & (k < n_valid), other=0)
+            ids = tl.where(in_window, old, tl.where(k == n_valid, correction, new))
+            tl.store(out_ids_ptr + first + j, ids.to(tl.int32), mask=live)
+            tl.store(out_pos_ptr + first + j, tl.minimum(pos, max_model_len - 1), mask=live)
+        tl.store(last_index_ptr + i, first + w + n_valid)
+        tl.store(out_seq_lens_ptr + i, tl.minimum(tl.load(seq_lens_ptr + i) + 1, max_model_len))
+
+    return caught_up_inputs
+
+
+_KERNEL: dict = {}
+
+
+def lay_out_caught_up_inputs(plan: CatchUpPlan, history, input_buffers, input_batch,
+                             last_sampled, num_rejected, expanded_input_ids,
+                             expanded_positions, last_token_indices, max_num_reqs: int,
+                             max_model_len: int) -> int:
+    """The drafter's first-forward inputs with each request's window in
+    front (the layout of vLLM's own, widened); returns the row count.
+    Writes the expanded query_start_loc and seq_lens into `input_buffers`
+    and the last row of each request's accepted tokens (the correction
+    row) into `last_token_indices`, as vLLM's layout does."""
+    import torch
+
+    if "k" not in _KERNEL:
+        _KERNEL["k"] = _kernel()
+    n = input_batch.num_reqs
+    device = expanded_input_ids.device
+    # The target's own query_start_loc, not the widened copy the caller's
+    # batch carries for vLLM's metadata build.
+    layout = expanded_layout(plan.query_start_loc_np, plan.windows, max_num_reqs)
+    packed = np.concatenate((layout, plan.windows.astype(np.int64)))
+    packed_dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    qsl_buf = input_buffers.query_start_loc
+    qsl_buf[: max_num_reqs + 1].copy_(packed_dev[: max_num_reqs + 1].to(qsl_buf.dtype))
+    input_buffers.seq_lens[n:max_num_reqs].zero_()
+    last_token_indices[n:max_num_reqs].zero_()
+    _KERNEL["k"][(n,)](
+        input_batch.input_ids, input_batch.positions, history, history.stride(0),
+        last_sampled, input_batch.idx_mapping, input_batch.query_start_loc,
+        input_batch.seq_lens, num_rejected.int(), packed_dev, max_num_reqs + 1,
+        expanded_input_ids, expanded_positions, last_token_indices, input_buffers.seq_lens,
+        max_model_len, BLOCK=128,
+    )
+    return int(layout[n])
+
+
+def plan_for(ledger: CatchUpLedger, input_batch, K: int, capacity: int):
+    """This drafting step's windows: (the batch vLLM's first forward should
+    see, the plan), or (the batch, None) when no request missed anything."""
+    n = input_batch.num_reqs
+    room = capacity - input_batch.num_tokens - n
+    w = ledger.windows(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
+                       first_position_lower_bound(input_batch, K), room)
+    if not w.any():
+        return input_batch, None
+    plan = CatchUpPlan(w, np.array(input_batch.query_start_loc_np[: n + 1], copy=True))
+    return widened_batch(input_batch, w), plan
+
+
+def widened_batch(input_batch, windows: np.ndarray):
+    """`input_batch` as vLLM's first-forward code must see it once windows
+    widen it: its host query_start_loc and token count include them (they
+    size the metadata build and pick the drafter's graph); device fields
+    stay the target's."""
+    n = input_batch.num_reqs
+    qsl = np.array(input_batch.query_start_loc_np, copy=True)
+    qsl[1 : n + 1] += np.cumsum(windows)
+    qsl[n + 1 :] = qsl[n]
+    return dataclasses.replace(input_batch, query_start_loc_np=qsl,
+                               num_tokens=input_batch.num_tokens + int(windows.sum()))
+
+
+def first_position_lower_bound(input_batch, K: int) -> np.ndarray:
+    """A lower bound of each request's first query position, on the host:
+    the runner's count of computed tokens is the scheduler's, which may
+    still include drafts of the last two steps that were rejected (async
+    scheduling); prompt chunks' counts are exact."""
+    n = input_batch.num_reqs
+    computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
+    prefilling = np.asarray(input_batch.is_prefilling_np[:n], dtype=bool)
+    return np.where(prefilling, computed, computed - 2 * K)
+
+
+class MRV2CatchUpInputsPatch(VllmPatch):
+    """Lay out the drafter's first forward with the positions it missed.
+
+    Target: vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.prepare_prefill_inputs
+    Why: with adaptive depth a depth-0 step skips the draft model, whose KV
+        cache then has holes at every position computed meanwhile; drafts
+        over them are rarely accepted, and the estimator learns from them
+        that drafting never pays (seventeenth H200 round).
+    How: with option drafter_catch_up, a drafting step whose requests
+        missed positions (`CatchUpLedger`, kept by MRV2DraftDepthPatch)
+        hands vLLM's first draft forward a batch widened by those windows;
+        this layout then reads each window's tokens from the runner's token
+        history and puts them in front of the request's rows. Any other
+        call runs vLLM's layout unchanged.
+    Upstream: none needed while vLLM's V2 draft model drafts every step.
+    Remove when: adaptive depth leaves V2's drafter cache whole some other way.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
+    attributes = ("prepare_prefill_inputs",)
+    platforms = ("cuda",)
+
+    def prepare_prefill_inputs(input_buffers, input_batch, last_sampled, num_rejected,
+                               expanded_input_ids, expanded_positions, last_token_indices,
+                               max_num_reqs, max_model_len):
+        import importlib
+
+        plan, history = _STATE["plan"], _STATE["history"]
+        if plan is None or history is None:
+            module = importlib.import_module(MRV2CatchUpInputsPatch.target)
+            return module._orig_prepare_prefill_inputs(
+                input_buffers, input_batch, last_sampled, num_rejected, expanded_input_ids,
+                expanded_positions, last_token_indices, max_num_reqs, max_model_len)
+        return lay_out_caught_up_inputs(
+            plan, history.gpu, input_buffers, input_batch, last_sampled, num_rejected,
+            expanded_input_ids, expanded_positions, last_token_indices, max_num_reqs,
+            max_model_len)
+
+    @classmethod
+    def resolve_target(cls):
+        import importlib
+
+        return importlib.import_module(cls.target)
