@@ -165,10 +165,14 @@ mrv2_smoke() {  # mrv2_smoke <gpu>
 # profile on a quiet GPU), tests/gpu/test_gpu_server.py against ours' live
 # server (the sweep's default --after-arm-arms).
 main_sweep() {
-  sweep "${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}" \
+  local arms=${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}
+  # The engine test runs against every arm of ours (names holding "ours").
+  local ours_arms
+  ours_arms=$(echo "$arms" | tr , '\n' | grep ours | paste -sd, -)
+  sweep "$arms" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-    --after-arm-arms ours_served,ours,ours_async,ours_async_skipmeta,ours_async_catchup,ours_v2,ours_v2g,ours_v2g_keepkv,ours_v2g_cal,ours_v2g_keepkv_cal,ours_v2g_ugraphs,ours_v2g_skipmeta,ours_v2g_ugraphs_skipmeta,ngram_ours_v2,ngram_ours_v2_ugraphs
+    --after-arm-arms "${ours_arms:-none}"
 }
 # Ours with the FULL graphs for any draft length switched off: what they bring.
 piecewise_sweep() {

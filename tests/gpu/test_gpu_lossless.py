@@ -11,7 +11,8 @@ picks Triton or Flex attention; the test is exact) and in bfloat16
 (FlashAttention 3, with our FULL graphs for steps of any draft length); and
 once with async scheduling in bfloat16, the default on one GPU (depth
 chosen when each step is scheduled, every draft verified); and on Model
-Runner V2 through our MRV2 path in bfloat16. Four chi-square tests at ALPHA =
+Runner V2 through our MRV2 path in bfloat16, with the drafter's KV kept
+whole at depth 0 and with it caught up after depth-0 steps. Four chi-square tests at ALPHA =
 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
@@ -52,6 +53,14 @@ SAMPLE = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
+    if cfg.get("alternate_depth"):
+        # Depth 0, K, 0, K, ... (in-process engine core): a schedule that
+        # reads no token, so the output must still be the target's.
+        import itertools
+        from vllm_av.core.verifier import AdaptiveVerifier
+        step = itertools.count()
+        AdaptiveVerifier.choose_depth = (
+            lambda self, *a, **kw: 0 if next(step) % 2 == 0 else self.K)
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
               speculative_config={"method": "draft_model", "model": cfg["draft"],
@@ -93,7 +102,8 @@ def cost_table(tmp_path_factory):
 
 
 def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
-           async_scheduling: bool | None = False, env_extra: dict | None = None) -> np.ndarray:
+           async_scheduling: bool | None = False, env_extra: dict | None = None,
+           alternate_depth: bool = False) -> np.ndarray:
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_AV_IMPL="ours",
                VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_CALIBRATE_COSTS="0",
                VLLM_AV_METRICS_DIR=str(metrics_dir),
@@ -101,9 +111,11 @@ def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
     env.update(env_extra or {})
     if lossy:
         env.update(VLLM_AV_TEST_LOSSY_ADMISSION="1", VLLM_AV_ADAPTIVE_DEPTH="0")
+    if alternate_depth:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": PROMPT, "n": NUM_SAMPLES, "n_tokens": NUM_TOKENS, "dtype": dtype,
-           "async": async_scheduling}
+           "async": async_scheduling, "alternate_depth": alternate_depth}
     proc = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps(cfg)], env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -163,6 +175,27 @@ def test_our_av_on_model_runner_v2_matches_target_distribution(models, exact, co
           f"AV counters {stats}")
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["verified"] > 0 and stats["depth_steps"] > 0, stats
+
+
+def test_our_av_on_model_runner_v2_with_catch_up_matches_target_distribution(
+        models, exact, cost_table, tmp_path):
+    """Model Runner V2 with depth 0 skipping the drafter and the drafter's
+    catch-up (option drafter_catch_up: its first forward widened by the
+    positions depth-0 steps skipped), the depth forced to alternate 0, K
+    so that every drafting step catches up. Same statistic, sample size
+    and threshold as the V2 test above."""
+    from vllm_av.vllm.metrics import read_snapshot
+
+    tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False, dtype="bfloat16",
+                    async_scheduling=None, alternate_depth=True,
+                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
+                               "VLLM_AV_DRAFTER_CATCH_UP": "1"})
+    pvals = p_values(tokens, exact)
+    stats = read_snapshot(str(tmp_path / "metrics"))
+    print(f"GPU AV on MRV2 with catch-up (bfloat16): N={len(tokens)} chi-square p-values "
+          f"{pvals}; AV counters {stats}")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["verified"] > 0 and stats.get("catch_up_tokens", 0) > 0, stats
 
 
 def test_negative_control_token_dependent_admission_is_detected_on_gpu(
