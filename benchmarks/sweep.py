@@ -167,11 +167,12 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
         env = drafter_graphs + tuple(V2_OPTION_SUFFIXES[s] for s in
                                      re.findall("|".join(V2_OPTION_SUFFIXES), m.group(1)))
         return Arm(name, family, "ours", av_k, env)
-    m = re.fullmatch(r"ours_v2((?:_ugraphs)+)", base)
+    m = re.fullmatch(r"ours_v2((?:_ugraphs|_cal)+)", base)
     if m and family == "ngram":
-        # ngram on V2 (below) with the uniform decode graphs.
-        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"),
-                                               V2_OPTION_SUFFIXES["_ugraphs"]))
+        # ngram on V2 (below) with the uniform decode graphs and/or costs
+        # corrected from served step periods.
+        return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), ("VLLM_AV_MRV2", "1"))
+                   + tuple(V2_OPTION_SUFFIXES[s] for s in re.findall("_ugraphs|_cal", m.group(1))))
     if base in ("ours_v2", "ours_v2g"):
         # Our estimator and manager inside vLLM's Model Runner V2 AV (GPU):
         # ours_v2 with vLLM's eager drafter, ours_v2g with the drafter in
@@ -231,7 +232,7 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
                      f"k<N>g, vllm_av, ours_served, ours, ours_v2, ours_v2g, ours_v2g<suffixes: "
                      f"{', '.join(V2_OPTION_SUFFIXES)}>, ours_async, ours_async_plain, ours_async_skipmeta, "
                      f"ours_async_catchup, ngram_nospec, "
-                     f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2_ugraphs")
+                     f"ngram_k<N>, ngram_ours, ngram_ours_v2, ngram_ours_v2<_ugraphs, _cal>")
 
 
 # ---------------------------------------------------------------- prompts

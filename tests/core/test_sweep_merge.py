@@ -135,6 +135,10 @@ def test_arms_build_the_documented_speculative_configs():
         "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1"}
     assert dict(sweep.make_arm("ngram_ours_v2_ugraphs").env) == {
         "VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_UNIFORM_DECODE_GRAPHS": "1"}
+    assert dict(sweep.make_arm("ngram_ours_v2_cal").env) == {
+        "VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1", "VLLM_AV_STEP_PERIOD_CALIBRATION": "1"}
+    with pytest.raises(ValueError, match="unknown arm"):
+        sweep.make_arm("ngram_ours_v2_keepkv")  # no drafter KV to keep
     with pytest.raises(ValueError, match="unknown arm"):
         sweep.make_arm("ours_v2g_nosuch")
     # Ours as served: the flag and nothing else, in either family.
