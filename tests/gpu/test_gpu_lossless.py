@@ -163,18 +163,25 @@ def test_our_av_on_model_runner_v2_matches_target_distribution(models, exact, co
     as above (false-positive rate at most 1.6e-4 for the run in bfloat16);
     the negative control below runs on V1, as V2 has no lossy-admission
     hook, and shows the statistic's power on this device."""
+    pvals, stats = _sample_on_v2(models, exact, cost_table, tmp_path, "MRV2",
+                                 {"VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"})
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["verified"] > 0 and stats["depth_steps"] > 0, stats
+
+
+def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_depth=False):
+    """Samples through our AV on Model Runner V2 in bfloat16 with `env`
+    set: (p-values, our metrics snapshot)."""
     from vllm_av.vllm.metrics import read_snapshot
 
     tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False, dtype="bfloat16",
-                    async_scheduling=None,
-                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
-                               "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"})
+                    async_scheduling=None, alternate_depth=alternate_depth,
+                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1", **env})
     pvals = p_values(tokens, exact)
     stats = read_snapshot(str(tmp_path / "metrics"))
-    print(f"GPU AV on MRV2 (bfloat16): N={len(tokens)} chi-square p-values {pvals}; "
+    print(f"GPU AV on {label} (bfloat16): N={len(tokens)} chi-square p-values {pvals}; "
           f"AV counters {stats}")
-    assert min(pvals.values()) >= ALPHA, pvals
-    assert stats is not None and stats["verified"] > 0 and stats["depth_steps"] > 0, stats
+    return pvals, stats
 
 
 def test_our_av_on_model_runner_v2_with_catch_up_matches_target_distribution(
@@ -184,16 +191,8 @@ def test_our_av_on_model_runner_v2_with_catch_up_matches_target_distribution(
     positions depth-0 steps skipped), the depth forced to alternate 0, K
     so that every drafting step catches up. Same statistic, sample size
     and threshold as the V2 test above."""
-    from vllm_av.vllm.metrics import read_snapshot
-
-    tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False, dtype="bfloat16",
-                    async_scheduling=None, alternate_depth=True,
-                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1",
-                               "VLLM_AV_DRAFTER_CATCH_UP": "1"})
-    pvals = p_values(tokens, exact)
-    stats = read_snapshot(str(tmp_path / "metrics"))
-    print(f"GPU AV on MRV2 with catch-up (bfloat16): N={len(tokens)} chi-square p-values "
-          f"{pvals}; AV counters {stats}")
+    pvals, stats = _sample_on_v2(models, exact, cost_table, tmp_path, "MRV2 with catch-up",
+                                 {"VLLM_AV_DRAFTER_CATCH_UP": "1"}, alternate_depth=True)
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["verified"] > 0 and stats.get("catch_up_tokens", 0) > 0, stats
 

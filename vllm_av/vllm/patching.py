@@ -26,8 +26,9 @@ LEDGER_FIELDS = ("Target:", "Why:", "How:", "Upstream:", "Remove when:", "vLLM:"
 
 
 class VllmPatch:
-    """Base class. Subclasses set `target` ("module:Class") and define the
-    replacement methods named in `attributes`."""
+    """Base class. Subclasses set `target` ("module:Class", or "module" for
+    module-level functions) and define the replacement methods named in
+    `attributes`."""
 
     target: str = ""
     attributes: tuple[str, ...] = ()
@@ -45,7 +46,7 @@ class VllmPatch:
     def resolve_target(cls) -> type:
         module_name, _, class_name = cls.target.partition(":")
         obj = importlib.import_module(module_name)
-        for part in class_name.split("."):
+        for part in class_name.split(".") if class_name else ():
             obj = getattr(obj, part)
         return obj
 

@@ -103,11 +103,6 @@ class ExpandBatchToTokensPatch(VllmPatch):
     # to apply_patch unbound, and it lands on the module as a function.
     expand_batch_to_tokens = expand_batch_to_tokens
 
-    @classmethod
-    def resolve_target(cls):
-        # The target is a module, not a class.
-        return importlib.import_module(cls.target)
-
 
 # Applied in this order by vllm_av.vllm.mrv1.patches.MRV1_PATCHES.
 LOSSLESS_PATCHES: list[type[VllmPatch]] = [ExpandBatchToTokensPatch]

@@ -38,6 +38,7 @@ import logging
 
 import numpy as np
 
+from vllm_av.core.transfer import host_to_device
 from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
@@ -188,8 +189,6 @@ def lay_out_caught_up_inputs(plan: CatchUpPlan, history, input_buffers, input_ba
     Writes the expanded query_start_loc and seq_lens into `input_buffers`
     and the last row of each request's accepted tokens (the correction
     row) into `last_token_indices`, as vLLM's layout does."""
-    import torch
-
     if "k" not in _KERNEL:
         _KERNEL["k"] = _kernel()
     n = input_batch.num_reqs
@@ -197,8 +196,8 @@ def lay_out_caught_up_inputs(plan: CatchUpPlan, history, input_buffers, input_ba
     # The target's own query_start_loc, not the widened copy the caller's
     # batch carries for vLLM's metadata build.
     layout = expanded_layout(plan.query_start_loc_np, plan.windows, max_num_reqs)
-    packed = np.concatenate((layout, plan.windows.astype(np.int64)))
-    packed_dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    packed_dev = host_to_device(np.concatenate((layout, plan.windows.astype(np.int64))),
+                                device)
     qsl_buf = input_buffers.query_start_loc
     qsl_buf[: max_num_reqs + 1].copy_(packed_dev[: max_num_reqs + 1].to(qsl_buf.dtype))
     input_buffers.seq_lens[n:max_num_reqs].zero_()
@@ -276,11 +275,9 @@ class MRV2CatchUpInputsPatch(VllmPatch):
     def prepare_prefill_inputs(input_buffers, input_batch, last_sampled, num_rejected,
                                expanded_input_ids, expanded_positions, last_token_indices,
                                max_num_reqs, max_model_len):
-        import importlib
-
         plan, history = _STATE["plan"], _STATE["history"]
         if plan is None or history is None:
-            module = importlib.import_module(MRV2CatchUpInputsPatch.target)
+            module = MRV2CatchUpInputsPatch.resolve_target()
             return module._orig_prepare_prefill_inputs(
                 input_buffers, input_batch, last_sampled, num_rejected, expanded_input_ids,
                 expanded_positions, last_token_indices, max_num_reqs, max_model_len)
@@ -288,9 +285,3 @@ class MRV2CatchUpInputsPatch(VllmPatch):
             plan, history.gpu, input_buffers, input_batch, last_sampled, num_rejected,
             expanded_input_ids, expanded_positions, last_token_indices, max_num_reqs,
             max_model_len)
-
-    @classmethod
-    def resolve_target(cls):
-        import importlib
-
-        return importlib.import_module(cls.target)

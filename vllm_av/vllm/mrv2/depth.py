@@ -110,10 +110,10 @@ def _query_lens(input_batch) -> np.ndarray:
     return np.diff(qsl)
 
 
-def _drafting(speculator, orig, steps: int | None, catch_up: bool, input_batch,
+def _drafting(speculator, orig, steps: int, catch_up: bool, input_batch,
               *args, **kwargs) -> None:
-    """vLLM's propose at `steps` forwards (None: K), the first one widened
-    by the positions each request missed when catching up."""
+    """vLLM's propose at `steps` forwards, the first one widened by the
+    positions each request missed when catching up."""
     plan = None
     if catch_up:
         input_batch, plan = plan_for(_ledger(speculator), input_batch,
@@ -121,10 +121,7 @@ def _drafting(speculator, orig, steps: int | None, catch_up: bool, input_batch,
                                      speculator.expanded_input_ids.shape[0])
     set_plan(plan)
     try:
-        if steps is None:
-            orig(speculator, input_batch, *args, **kwargs)
-        else:
-            _propose_steps(speculator, orig, steps, input_batch, *args, **kwargs)
+        _propose_steps(speculator, orig, steps, input_batch, *args, **kwargs)
     finally:
         set_plan(None)
 
@@ -198,7 +195,7 @@ class MRV2DraftDepthPatch(VllmPatch):
             return orig(self, input_batch, *args, **kwargs)
         n = input_batch.num_reqs
         if depth is None or depth >= K:
-            _drafting(self, orig, None, catch_up, input_batch, *args, **kwargs)
+            _drafting(self, orig, K, catch_up, input_batch, *args, **kwargs)
             return self.draft_tokens[:n]
         depth = max(int(depth), 0)
         if depth == 0:

@@ -31,10 +31,6 @@ logger = logging.getLogger("vllm.vllm_av")
 FACTORY = "maybe_create_adaptive_verification_manager"
 
 
-def _module_target(cls) -> object:
-    return importlib.import_module(cls.target)
-
-
 def _speculative_method(vllm_config) -> str | None:
     spec = getattr(vllm_config, "speculative_config", None)
     return getattr(spec, "method", None)
@@ -104,8 +100,6 @@ class MRV2FactoryPatch(VllmPatch):
     # A plain function on the class lands on the module as a function.
     maybe_create_adaptive_verification_manager = maybe_create_adaptive_verification_manager
 
-    resolve_target = classmethod(_module_target)
-
 
 class MRV2EstimatorPatch(VllmPatch):
     """Score MRV2 draft slots with our online acceptance estimator.
@@ -131,8 +125,6 @@ class MRV2EstimatorPatch(VllmPatch):
     platforms = ("cuda",)
 
     OnlineAcceptanceEstimator = AcceptanceEstimator
-
-    resolve_target = classmethod(_module_target)
 
 
 MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
