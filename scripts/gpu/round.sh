@@ -162,8 +162,8 @@ mrv2_smoke() {  # mrv2_smoke <gpu>
 }
 
 # The main sweep (QUIET: vLLM's AV started alone first, its start-up
-# profile on a quiet GPU), tests/gpu/test_gpu_server.py against ours' live
-# server (the sweep's default --after-arm-arms).
+# profile on a quiet GPU), tests/gpu/test_gpu_server.py against the live
+# server of each arm of ours.
 main_sweep() {
   local arms=${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}
   # The engine test runs against every arm of ours (names holding "ours").
@@ -269,10 +269,8 @@ if [[ "${JOB_KIND:-start}" == full ]]; then
   # ngram_k3v1,ngram_k7v1).
   OPTION_ARM=${OPTION_ARM-ours_v2g_ugraphs_skipmeta}
   ( GPU=1; export CUDA_VISIBLE_DEVICES=1
-    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b GREEDY=1 \
-      sweep "${ARMS2:-k5g,k7g,ngram_nospec,ngram_ours_served,ngram_k3,ngram_k7}" --quiet-start none \
-      --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
-      --after-arm-arms ngram_ours_served
+    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=h200_full_b GREEDY=1 QUIET=none \
+      ARMS=${ARMS2:-k5g,k7g,ngram_nospec,ngram_ours_served,ngram_k3,ngram_k7} main_sweep
     # AV_TESTS: greedy tests (a pytest -k selection) once the arms are done.
     [[ -n ${AV_TESTS:-} ]] && av_tests ) &
   LANE1=$!
