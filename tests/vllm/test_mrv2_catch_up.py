@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from interpreted import run_interpreted  # noqa: E402
 from vllm_av.vllm.mrv2 import catch_up  # noqa: E402
-from vllm_av.vllm.mrv2.catch_up import CatchUpLedger, expanded_layout  # noqa: E402
+from vllm_av.vllm.mrv2.catch_up import CatchUpLedger, row_shifts  # noqa: E402
 
 
 def test_ledger_windows_are_the_tokens_skipped_since_the_drafter_last_ran():
@@ -54,10 +54,8 @@ def test_a_slot_handed_to_another_request_starts_with_nothing_missed():
     assert ledger.windows(["new"], [2], [50], 100).tolist() == [1]
 
 
-def test_expanded_layout_adds_window_and_correction_row_per_request():
-    qsl = np.array([0, 1, 4, 5])  # query lens 1, 3, 1
-    layout = expanded_layout(qsl, np.array([2, 0, 7]), max_num_reqs=5)
-    assert layout.tolist() == [0, 4, 8, 17, 17, 17]
+def test_rows_move_by_the_windows_and_correction_rows_before_them():
+    assert row_shifts(np.array([2, 0, 7])).tolist() == [0, 3, 4, 12]
 
 
 LAYOUT = r'''
@@ -114,6 +112,19 @@ out = {"vllm": run(sa.prepare_prefill_inputs, buffers()),
        "ours0": run(ours([0, 0, 0]), buffers()),
        "ours": run(ours([3, 0, 5]), buffers()),
        "history": history.tolist()}
+# Our trimming verified 2 of request 1's 4 scheduled tokens: the device
+# batch is compacted (ids, positions, query_start_loc), the host's
+# query_start_loc still holds the scheduled lengths.
+keep = [0, 1, 2, 5, 6, 7]
+trimmed_qsl = np.array([0, 1, 3, 6], dtype=np.int32)
+batch = types.SimpleNamespace(**{**vars(batch),
+    "input_ids": batch.input_ids[keep], "positions": batch.positions[keep],
+    "query_start_loc": torch.from_numpy(trimmed_qsl),
+    "seq_lens": torch.tensor([21, 11, 43], dtype=torch.int32)})
+num_rejected = torch.tensor([0, 1, 0])
+out["vllm_trimmed"] = run(sa.prepare_prefill_inputs, buffers())
+out["ours0_trimmed"] = run(ours([0, 0, 0]), buffers())
+out["ours_trimmed"] = run(ours([3, 0, 5]), buffers())
 print(json.dumps(out))
 '''
 
@@ -125,6 +136,24 @@ def laid_out():
 
 def test_without_windows_the_layout_is_vllms_own(laid_out):
     assert laid_out["ours0"] == laid_out["vllm"], laid_out
+
+
+def test_under_trimming_the_layout_follows_the_verified_lengths(laid_out):
+    """vLLM's layout places each request by the device's (trimmed) query
+    starts; without windows ours must match it row for row, and with
+    windows shift it by them."""
+    plain, ours0, got = (laid_out[k] for k in ("vllm_trimmed", "ours0_trimmed", "ours_trimmed"))
+    end = plain["qsl"][3]  # rows past the device total belong to no request
+    assert ours0["qsl"] == plain["qsl"] and ours0["last"] == plain["last"]
+    assert ours0["ids"][:end] == plain["ids"][:end] and ours0["pos"][:end] == plain["pos"][:end]
+    assert ours0["seq_lens"] == plain["seq_lens"] and ours0["total"] == plain["total"]
+    shift = np.concatenate(([0], np.cumsum([3, 0, 5])))
+    assert got["qsl"][:4] == (np.array(plain["qsl"][:4]) + shift).tolist()
+    assert got["last"][:3] == (np.array(plain["last"][:3]) + shift[1:]).tolist()
+    h, slots = laid_out["history"], [5, 2, 7]
+    assert [got["ids"][i] for i in got["last"][:3]] == [4000 + s for s in slots]
+    assert got["ids"][:3] == h[5][17:20]  # request 0's window, then its token
+    assert got["ids"][got["qsl"][2]:got["qsl"][2] + 5] == h[7][35:40]
 
 
 def test_windows_put_the_missed_positions_tokens_in_front(laid_out):
@@ -184,10 +213,11 @@ def test_depth_patch_widens_the_next_drafting_call_by_what_depth_0_steps_skipped
         _orig_propose = staticmethod(orig)
         propose = MRV2DraftDepthPatch.propose
 
-        def __init__(self, catch_up_on):
+        def __init__(self, catch_up_on, max_num_tokens=92):
             self.num_speculative_steps, self.max_num_reqs = K, 8
+            self.max_num_tokens = max_num_tokens
             self.draft_tokens = torch.zeros(8, K, dtype=torch.int64)
-            self.expanded_input_ids = torch.zeros(100, dtype=torch.int32)
+            self.expanded_input_ids = torch.zeros(max_num_tokens + 8, dtype=torch.int32)
             self._vllm_av_depth_options = (True, False, catch_up_on)
 
     spec = Speculator(catch_up_on=True)
@@ -209,3 +239,11 @@ def test_depth_patch_widens_the_next_drafting_call_by_what_depth_0_steps_skipped
     off.propose(_batch([1, 9], [50, 9]), num_speculative_tokens=0)
     off.propose(_batch([1, 1], [51, 18]), num_speculative_tokens=K)
     assert calls == [(K, 2, [0, 1, 2], None)]
+    # The widened first forward stays within the engine's token budget
+    # (max_num_tokens), not the larger buffers (which hold a row more per
+    # request): 2 tokens + 2 correction rows + windows <= 8.
+    calls.clear()
+    tight = Speculator(catch_up_on=True, max_num_tokens=8)
+    tight.propose(_batch([1, 9], [50, 9]), num_speculative_tokens=0)
+    tight.propose(_batch([1, 1], [51, 18]), num_speculative_tokens=K)
+    assert calls[-1][3].windows.tolist() == [1, 3] and calls[-1][1] == 2 + 4

@@ -37,6 +37,7 @@ import dataclasses
 import logging
 
 import numpy as np
+import torch
 
 from vllm_av.core.transfer import host_to_device
 from vllm_av.vllm.patching import VllmPatch
@@ -122,17 +123,16 @@ def set_plan(plan: CatchUpPlan | None) -> None:
     _STATE["plan"] = plan
 
 
-def expanded_layout(query_start_loc_np: np.ndarray, windows: np.ndarray,
-                    max_num_reqs: int) -> np.ndarray:
-    """Where each request's rows start in the drafter's first forward
-    (`max_num_reqs + 1` entries, past the batch all at the total): its
-    window, its scheduled tokens and one correction row each."""
+def row_shifts(windows: np.ndarray) -> np.ndarray:
+    """How far each request's rows move in the drafter's first forward
+    against the target's query (`n + 1` entries, the last the total):
+    one correction row for each request before it, as in vLLM's layout,
+    and the windows before it. Added on the device to the target's
+    query_start_loc, which under our trimming holds the verified lengths
+    (the host's copy holds the scheduled ones, an upper bound)."""
     n = len(windows)
-    lens = np.diff(query_start_loc_np[: n + 1]) + 1 + windows
-    out = np.empty(max_num_reqs + 1, dtype=np.int64)
-    out[0] = 0
-    np.cumsum(lens, out=out[1 : n + 1])
-    out[n + 1 :] = out[n]
+    out = np.arange(n + 1, dtype=np.int64)
+    out[1:] += np.cumsum(windows, dtype=np.int64)
     return out
 
 
@@ -143,7 +143,7 @@ def _kernel():
     def caught_up_inputs(
         target_ids_ptr, target_pos_ptr, history_ptr, history_stride,
         last_sampled_ptr, idx_mapping_ptr, query_start_loc_ptr, seq_lens_ptr,
-        num_rejected_ptr, layout_ptr, windows_offset,
+        num_rejected_ptr, out_starts_ptr, windows_ptr, windows_offset,
         out_ids_ptr, out_pos_ptr, last_index_ptr, out_seq_lens_ptr,
         max_model_len, BLOCK: tl.constexpr,
     ):
@@ -154,8 +154,8 @@ def _kernel():
         q0 = tl.load(query_start_loc_ptr + i)
         n_query = tl.load(query_start_loc_ptr + i + 1) - q0
         n_valid = n_query - tl.load(num_rejected_ptr + i)
-        w = tl.load(layout_ptr + windows_offset + i).to(tl.int32)
-        first = tl.load(layout_ptr + i)
+        w = tl.load(windows_ptr + windows_offset + i).to(tl.int32)
+        first = tl.load(out_starts_ptr + i)
         start = tl.load(target_pos_ptr + q0)
         correction = tl.load(last_sampled_ptr + slot).to(tl.int32)
         total = w + n_query + 1
@@ -193,23 +193,37 @@ def lay_out_caught_up_inputs(plan: CatchUpPlan, history, input_buffers, input_ba
         _KERNEL["k"] = _kernel()
     n = input_batch.num_reqs
     device = expanded_input_ids.device
-    # The target's own query_start_loc, not the widened copy the caller's
-    # batch carries for vLLM's metadata build.
-    layout = expanded_layout(plan.query_start_loc_np, plan.windows, max_num_reqs)
-    packed_dev = host_to_device(np.concatenate((layout, plan.windows.astype(np.int64))),
-                                device)
+    packed_dev = host_to_device(
+        np.concatenate((row_shifts(plan.windows), plan.windows.astype(np.int64))), device)
+    # Each request's first row: the target's device query start (the
+    # caller's batch carries the widened host copy, for vLLM's metadata
+    # build), shifted; past the batch, all at the total, as vLLM's layout.
     qsl_buf = input_buffers.query_start_loc
-    qsl_buf[: max_num_reqs + 1].copy_(packed_dev[: max_num_reqs + 1].to(qsl_buf.dtype))
+    qsl_buf[: n + 1].copy_(input_batch.query_start_loc[: n + 1].to(torch.int64)
+                           + packed_dev[: n + 1])
+    qsl_buf[n + 1 : max_num_reqs + 1].copy_(qsl_buf[n : n + 1].expand(max_num_reqs - n))
     input_buffers.seq_lens[n:max_num_reqs].zero_()
     last_token_indices[n:max_num_reqs].zero_()
     _KERNEL["k"][(n,)](
         input_batch.input_ids, input_batch.positions, history, history.stride(0),
         last_sampled, input_batch.idx_mapping, input_batch.query_start_loc,
-        input_batch.seq_lens, num_rejected.int(), packed_dev, max_num_reqs + 1,
+        input_batch.seq_lens, num_rejected.int(), qsl_buf, packed_dev, n + 1,
         expanded_input_ids, expanded_positions, last_token_indices, input_buffers.seq_lens,
         max_model_len, BLOCK=128,
     )
-    return int(layout[n])
+    # Rows to run: the scheduled upper bound, as vLLM's layout returns;
+    # rows past the device total belong to no request.
+    return int(plan.query_start_loc_np[n]) + n + int(plan.windows.sum())
+
+
+def rows_capacity(speculator) -> int:
+    """How many rows the drafter's first forward may have: its input
+    buffers hold max_num_tokens + max_num_reqs, but its compiled model
+    takes at most max_num_tokens (the engine's max_num_batched_tokens:
+    past it, vLLM 0.32's compiled forward asserts "Shape 8448 out of
+    considered ranges: [(1, 8192)]", as the eighteenth H200 round's
+    catch-up arms did at 64-128 concurrent requests)."""
+    return min(int(speculator.expanded_input_ids.shape[0]), int(speculator.max_num_tokens))
 
 
 def plan_for(ledger: CatchUpLedger, input_batch, K: int, capacity: int):

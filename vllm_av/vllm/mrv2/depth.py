@@ -31,7 +31,8 @@ import numpy as np
 
 from vllm_av.core.verifier import AdaptiveVerifier
 from vllm_av.vllm.config import av_options_of
-from vllm_av.vllm.mrv2.catch_up import CatchUpLedger, bind_ledger, plan_for, set_plan
+from vllm_av.vllm.mrv2.catch_up import (CatchUpLedger, bind_ledger, plan_for, rows_capacity,
+                                        set_plan)
 from vllm_av.vllm.patching import VllmPatch
 
 
@@ -118,7 +119,7 @@ def _drafting(speculator, orig, steps: int, catch_up: bool, input_batch,
     if catch_up:
         input_batch, plan = plan_for(_ledger(speculator), input_batch,
                                      speculator.num_speculative_steps,
-                                     speculator.expanded_input_ids.shape[0])
+                                     rows_capacity(speculator))
     set_plan(plan)
     try:
         _propose_steps(speculator, orig, steps, input_batch, *args, **kwargs)
