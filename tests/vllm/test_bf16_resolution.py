@@ -3,7 +3,7 @@ target distribution (tests/gpu/test_gpu_lossless.py). That is sound only
 while the rounding moves the distribution by less than the test can see at
 N samples: its noncentrality N * sum((q - p)^2 / p) must stay small, so the
 test's false-positive rate stays near ALPHA. Computed here with
-transformers on the CPU for the same tiny pair and prompt."""
+transformers on the CPU for the same tiny pair and prompts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from test_lossless_cpu import ALPHA, NUM_SAMPLES, NUM_TOKENS, PROMPT  # noqa: E402
+from test_lossless_cpu import ALPHA, LONG_PROMPT, NUM_SAMPLES, NUM_TOKENS, PROMPT  # noqa: E402
 from tiny_models import first_tokens_distribution  # noqa: E402
 
 # The false-positive rate per chi-square test the GPU test's docstring states.
@@ -26,10 +26,11 @@ def _noncentrality(p: np.ndarray, q: np.ndarray) -> float:
     return float(NUM_SAMPLES * np.sum((q[keep] - p[keep]) ** 2 / p[keep]))
 
 
-def test_bfloat16_rounding_is_below_the_distribution_tests_resolution(tiny_models):
-    exact = first_tokens_distribution(tiny_models.target, PROMPT, NUM_TOKENS).numpy()
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["prompt", "long_prompt"])
+def test_bfloat16_rounding_is_below_the_distribution_tests_resolution(tiny_models, prompt):
+    exact = first_tokens_distribution(tiny_models.target, prompt, NUM_TOKENS).numpy()
     rounded = first_tokens_distribution(
-        tiny_models.target, PROMPT, NUM_TOKENS, dtype=torch.bfloat16).numpy()
+        tiny_models.target, prompt, NUM_TOKENS, dtype=torch.bfloat16).numpy()
     vocab = exact.shape[0]
     marginals = {"token1": (1, 2), "token2": (0, 2), "token3": (0, 1)}
     lam = {name: _noncentrality(exact.sum(ax), rounded.sum(ax)) for name, ax in marginals.items()}

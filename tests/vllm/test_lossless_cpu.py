@@ -65,6 +65,9 @@ PROMPT = [5, 9, 17, 33]
 K = 4
 NUM_SAMPLES = 8000
 NUM_TOKENS = 3
+# For tests whose engine must see positions well past 2K (the GPU test of
+# the drafter's catch-up on Model Runner V2).
+LONG_PROMPT = PROMPT * 5
 ALPHA = 1e-5
 # The defect gives p ~ 1e-270 at N=4000; anything above this would mean the
 # negative control lost its power.
