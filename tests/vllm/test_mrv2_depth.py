@@ -157,14 +157,16 @@ def test_failed_draft_restores_the_step_count():
 
 # ------------------------------------------------------------ the choice
 def _manager(ids, draft_ms, tmp_path, scheduled_depth=True, zero_depth_skips_drafter=True,
-             parallel_drafter=False, drafter_catch_up=False, req_states=None):
+             parallel_drafter=False, drafter_catch_up=False, req_states=None,
+             test_fixed_depth=-1):
     m = AVManager(req_states or mrv2_req_states(ids, K, R_MAX),
                   torch.zeros(R_MAX + 1, dtype=torch.int32),
                   num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=str(tmp_path), metrics_interval=1,
                                     scheduled_depth=scheduled_depth,
                                     zero_depth_skips_drafter=zero_depth_skips_drafter,
-                                    drafter_catch_up=drafter_catch_up),
+                                    drafter_catch_up=drafter_catch_up,
+                                    test_fixed_depth=test_fixed_depth),
                   parallel_drafter=parallel_drafter)
     for i in range(len(ids)):
         m.add_request(i)
@@ -249,6 +251,24 @@ def test_with_catch_up_the_manager_reads_the_token_history_and_reports_the_posit
     _choices(_manager(["a"], draft_ms=50.0, tmp_path=tmp_path / "off"), ["a"], steps=1)
     assert "catch_up_tokens" not in read_snapshot(str(tmp_path / "off"))
     catch_up.bind_ledger(None)
+
+
+def test_fixed_depth_control_overrides_the_choice_within_its_bounds(tmp_path, verifier_slot):
+    """VLLM_AV_TEST_FIXED_DEPTH (a measurement control): the policy would
+    draft K here (cheap drafts) and 0 with dear ones; the control holds
+    the depth given, raised to a step's minimum, capped at K, and the
+    steps are counted in /metrics as any others."""
+    ids = ["a"]
+    cheap = _manager(ids, draft_ms=0.01, tmp_path=tmp_path / "d0", test_fixed_depth=0)
+    assert _choices(cheap, ids, steps=3) == [0] * 3
+    assert cheap.stats.zero_depth_steps == cheap.stats.depth_steps == 3
+    dear = _manager(ids, draft_ms=50.0, tmp_path=tmp_path / "d1", test_fixed_depth=1)
+    assert _choices(dear, ids, steps=2) == [1, 1]
+    assert dear.choose_depth(ids, 1, 1, min_depth=K) == K  # a seeded request's minimum
+    deep = _manager(ids, draft_ms=50.0, tmp_path=tmp_path / "d9", test_fixed_depth=K + 5)
+    assert _choices(deep, ids, steps=1) == [K]
+    # Negative control: without it the dear drafts stop.
+    assert set(_choices(_manager(ids, draft_ms=50.0, tmp_path=tmp_path / "off"), ids)) == {0}
 
 
 def test_without_scheduled_depth_the_manager_drafts_k(tmp_path, verifier_slot):

@@ -207,6 +207,9 @@ def test_model_runner_v2_patches_are_on_unless_switched_off():
         ("VLLM_AV_PROFILE_REPEATS", "1.5"),
         # A typo must not silently turn a switch off.
         ("VLLM_AV_ADAPTIVE_DEPTH", "ture"),
+        ("VLLM_AV_TEST_FIXED_DEPTH", "-2"),
+        # A V2 measurement control is refused where V1 serves the flag.
+        ("VLLM_AV_TEST_FIXED_DEPTH", "0"),
     ],
 )
 def test_invalid_option_env_is_refused(tiny_models, monkeypatch, name, value):

@@ -193,6 +193,14 @@ class AVOptions:
     # draft's top token, a rule that depends on the drafted token and so
     # biases the output (VLLM_AV_TEST_LOSSY_ADMISSION=1).
     test_lossy_admission: bool = False
+    # MEASUREMENT CONTROL, never for service: on Model Runner V2 with
+    # adaptive depth, every scheduled step drafts this depth (at least a
+    # step's required minimum, at most K) instead of the policy's choice;
+    # -1: the policy chooses. Depth 0 on every step measures what our V2
+    # path adds to plain decoding, side by side with no speculation
+    # (VLLM_AV_TEST_FIXED_DEPTH=0). The output distribution is unaffected:
+    # the depth reads no token.
+    test_fixed_depth: int = -1
     # Directory where the worker leaves its metrics snapshot for /metrics
     # (VLLM_AV_METRICS_DIR); a fresh temporary directory when empty.
     metrics_dir: str = ""
@@ -220,6 +228,10 @@ class AVOptions:
         return options
 
     def validate(self) -> None:
+        if self.test_fixed_depth < -1:
+            raise ValueError(
+                f"VLLM_AV_TEST_FIXED_DEPTH must be -1 (off) or a depth >= 0, "
+                f"got {self.test_fixed_depth}")
         for name in ("refit_interval", "profile_max_tokens", "profile_repeats",
                      "profile_context_len", "metrics_interval"):
             if getattr(self, name) < 1:

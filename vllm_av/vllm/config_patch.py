@@ -136,6 +136,15 @@ def route_mrv2(vllm_config) -> None:
     # Adaptive depth on V2: chosen when scheduled, for the speculators that
     # stop at that depth (MRV2_DEPTH_METHODS).
     options = replace(options, scheduled_depth=mrv2_schedules_depth(spec, options))
+    if options.test_fixed_depth >= 0:
+        if not options.scheduled_depth:
+            raise ValueError(
+                "vllm-av: VLLM_AV_TEST_FIXED_DEPTH fixes the depth that adaptive depth "
+                f"chooses on Model Runner V2, which is off here (method={spec.method!r}, "
+                f"VLLM_AV_ADAPTIVE_DEPTH={int(options.adaptive_depth)}); unset it")
+        logger.warning("vllm-av: VLLM_AV_TEST_FIXED_DEPTH=%d: every step drafts that "
+                       "depth (a measurement control, not for service)",
+                       options.test_fixed_depth)
     if options.test_lossy_admission:
         raise ValueError(
             "vllm-av: VLLM_AV_TEST_LOSSY_ADMISSION is a Model Runner V1 negative "
@@ -199,6 +208,10 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                         "vllm-av: --additional-config must be a dict to carry "
                         "adaptive-verification options"
                     )
+                if options.test_fixed_depth >= 0:
+                    raise ValueError(
+                        "vllm-av: VLLM_AV_TEST_FIXED_DEPTH is a Model Runner V2 "
+                        "measurement control; unset it or run on Model Runner V2 (CUDA)")
                 self.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
                 spec.enable_adaptive_verification = False
                 if options.test_lossy_admission:

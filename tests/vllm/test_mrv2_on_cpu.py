@@ -1,0 +1,39 @@
+"""Our Model Runner V2 path end to end on the CPU (scripts/mrv2_cpu_distribution.py).
+
+vLLM 0.32's V2 runner with its Triton kernels interpreted, our V2 patches
+serving the flag (manager, estimator, adaptive depth with the depth forced
+to alternate 0 and K, the drafter's catch-up), a budget that trims every
+step. A small sample: this checks that the path runs and does what it
+claims (steps of depth 0 and K, drafts trimmed and verified, positions
+caught up). The p-values it prints have little power at N = 256 and are
+not asserted; the distribution is the GPU test's (tests/gpu/) and the
+script's at N >= 1024.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("scipy.stats")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_our_v2_path_with_catch_up_runs_on_the_cpu_and_keeps_the_distribution():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "mrv2_cpu_distribution.py"), "--n", "256",
+         "--variant", "catch_up", "--trim"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    stats = result["av_counters"]
+    print(result)
+    assert stats["zero_depth_steps"] > 0 and stats["depth_steps"] > stats["zero_depth_steps"]
+    assert stats["trimmed"] > 0 and stats["verified"] > 0, stats
+    assert stats["catch_up_tokens"] > 0, stats
