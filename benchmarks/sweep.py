@@ -63,7 +63,8 @@ DEFAULT_CONCURRENCY = [1, 16, 32, 64, 128, 256]
 # steps build the target layers' attention metadata only; _catchup, the
 # drafter's first forward after depth-0 steps runs over what they skipped;
 # _d0, _d1: every step drafts that depth (a measurement control: _d0 is
-# plain decoding through our V2 path).
+# plain decoding through our V2 path); _ctx1k, the start-up profile's
+# dummy requests carry 1,024 tokens of context instead of 8,192.
 V2_OPTION_SUFFIXES = {
     "_keepkv": ("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),
     "_cal": ("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),
@@ -72,6 +73,7 @@ V2_OPTION_SUFFIXES = {
     "_catchup": ("VLLM_AV_DRAFTER_CATCH_UP", "1"),
     "_d0": ("VLLM_AV_TEST_FIXED_DEPTH", "0"),
     "_d1": ("VLLM_AV_TEST_FIXED_DEPTH", "1"),
+    "_ctx1k": ("VLLM_AV_PROFILE_CONTEXT_LEN", "1024"),
 }
 
 DEFAULT_ARMS = ["nospec", "k1", "k3", "k5", "k7", "vllm_av", "ours",
