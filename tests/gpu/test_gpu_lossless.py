@@ -11,10 +11,10 @@ picks Triton or Flex attention; the test is exact) and in bfloat16
 (FlashAttention 3, with our FULL graphs for steps of any draft length); and
 once with async scheduling in bfloat16, the default on one GPU (depth
 chosen when each step is scheduled, every draft verified); and on Model
-Runner V2 through our MRV2 path in bfloat16, with the drafter's KV kept
-whole at depth 0, and with depth forced to alternate 0 and K over the
-holes depth-0 steps leave and with them caught up. Four chi-square tests at ALPHA =
-1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
+Runner V2 through our MRV2 path in bfloat16: with the drafter's KV kept
+whole at depth 0, and with the depth forced to alternate 0 and K, over
+the holes depth-0 steps leave and with them caught up. Four chi-square
+tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
 test's false-positive rate to at most 3.9e-5 (1.6e-4 for the run;

@@ -79,11 +79,11 @@ class CatchUpLedger:
         w = np.minimum(want, np.maximum(np.asarray(first_position_lb, dtype=np.int64), 0))
         # Fill the room in batch order; a request that does not fit gets
         # what is left.
+        room = max(int(room), 0)
         total = np.cumsum(w)
-        over = total > max(int(room), 0)
+        over = total > room
         if over.any():
-            before = np.concatenate(([0], total[:-1]))
-            w = np.where(over, np.maximum(max(int(room), 0) - before, 0), w)
+            w = np.where(over, np.maximum(room - (total - w), 0), w)
         self.tokens_total += int(w.sum())
         self.dropped += int((want - w).sum())
         self.behind[slots] = 0
@@ -95,7 +95,7 @@ class CatchUpPlan:
     """One step's windows, for the layout of the drafter's first forward."""
 
     windows: np.ndarray  # [num_reqs] positions before each query
-    query_start_loc_np: np.ndarray  # the target's, [num_reqs + 1]
+    query_start_loc_np: np.ndarray  # the host's, [num_reqs + 1]: sizes the rows
 
 
 # The token history of the engine this process serves (one per process),
@@ -129,7 +129,8 @@ def row_shifts(windows: np.ndarray) -> np.ndarray:
     one correction row for each request before it, as in vLLM's layout,
     and the windows before it. Added on the device to the target's
     query_start_loc, which under our trimming holds the verified lengths
-    (the host's copy holds the scheduled ones, an upper bound)."""
+    (the host's copy deals the step's budget round-robin: only its total
+    is right)."""
     n = len(windows)
     out = np.arange(n + 1, dtype=np.int64)
     out[1:] += np.cumsum(windows, dtype=np.int64)
