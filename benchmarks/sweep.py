@@ -1005,6 +1005,117 @@ def start_together(opts, arms: dict, names: list[str], run_dir: Path) -> dict:
     return out
 
 
+def _ready(opts, run_dir: Path, name: str, arm, server, left, prompt_file: Path, label: str):
+    """The arm's server up (started here unless --parallel-start did) and
+    warmed; None (the failure recorded) if it would not start."""
+    log = run_dir / "logs" / f"{name}.server.log"
+    try:
+        if server is None:
+            _log(f"arm {label} {name}: starting server (log {log})")
+            server = Server(opts, arm, log)
+            server.start()
+        elif isinstance(server, Exception):
+            raise server
+        else:
+            _log(f"arm {label} {name}: server already up")
+        _clear_failure(run_dir, name, None)
+        wc = min(opts.warmup_prompts, max(c for c, _ in left))
+        _log(f"  warm-up: {opts.warmup_prompts} prompts at concurrency {wc}")
+        _bench(opts, server, prompt_file, wc, opts.warmup_prompts, opts.temperature,
+               run_dir / "logs" / f"{name}.warmup.log")
+    except RuntimeError as e:
+        if isinstance(server, Server):
+            server.stop()
+        _fail(run_dir, name, None, str(e), log)
+        return None
+    return server
+
+
+def _run_cell(opts, run_dir: Path, name: str, arm, server, c: int, pass_name: str,
+              prompt_file: Path, progress: dict, label: str) -> None:
+    """One (arm, concurrency, pass) benchmark, its result JSON written."""
+    temp = opts.temperature if PASSES[pass_name] is None else PASSES[pass_name]
+    n = num_prompts_for(c, opts.num_prompts, opts.min_prompts, opts.waves)
+    fname = result_name(name, c, pass_name)
+    blog = run_dir / "logs" / fname.replace(".json", ".bench.log")
+    t0 = time.monotonic()
+    before, _ = server.scrape()
+    try:
+        _bench(opts, server, prompt_file, c, n, temp, blog,
+               out_dir=run_dir / "logs", filename=fname + ".partial")
+    except RuntimeError as e:
+        _fail(run_dir, name, c, str(e), blog)
+        progress["failures"] += 1
+    else:
+        # The worker publishes AV counters every few steps: give the last
+        # snapshot time to land before the scrape.
+        time.sleep(opts.metrics_settle_s)
+        after, _ = server.scrape()
+        partial = run_dir / "logs" / (fname + ".partial")
+        try:
+            result = json.loads(partial.read_text())
+        except (OSError, ValueError) as e:
+            _fail(run_dir, name, c, f"no result JSON from the bench: {e}", blog)
+            progress["failures"] += 1
+        else:
+            result["sweep"] = {
+                "arm": name, "concurrency": c, "pass": pass_name, "family": arm.family,
+                "role": arm.role, "k": arm.k, "temperature": temp, "num_prompts": n,
+                "env": dict(arm.env), "server_command": server.command(),
+                "wall_s": time.monotonic() - t0, "metrics_before": before,
+                "metrics_after": after, "metrics_delta": metrics_delta(before, after)}
+            _atomic_json(run_dir / fname, result)
+            partial.unlink()
+            _clear_failure(run_dir, name, c)
+            r = summarize_result(result)
+            _log(f"  {name} c={c} {pass_name}: {r['output_throughput'] or 0:,.1f} tok/s, "
+                 f"{r['tps_user'] or 0:,.1f} tok/s/user, {r['wall_s']:.0f} s")
+    progress["done"] += 1
+    el = time.monotonic() - progress["t_start"]
+    eta = el / progress["done"] * (progress["total"] - progress["done"])
+    _log(f"  progress {progress['done']}/{progress['total']} ({label}, c={c}): "
+         f"elapsed {_hms(el)}, ETA {_hms(eta)}")
+
+
+def _finish_arm(opts, run_dir: Path, name: str, server) -> None:
+    """The arm's last /metrics kept, then the after-arm command, if any."""
+    _, text = server.scrape()
+    (run_dir / "logs" / f"{name}.metrics.prom").write_text(text)
+    if opts.after_arm_cmd and name in opts.after_arm_arms:
+        _after_arm(opts, server, run_dir / "logs" / f"{name}.after.log")
+
+
+def _run_interleaved(opts, run_dir: Path, arms: dict, todo: dict, started: dict,
+                     prompt_file: Path, progress: dict) -> None:
+    """--interleave: every server up and warmed, then each concurrency and
+    pass benched over all arms in turn, so that drift on the machine
+    between cells falls on every arm alike rather than on whichever arm
+    ran then. Servers stay up until the last cell."""
+    ready: dict = {}
+    try:
+        for i, (name, left) in enumerate(todo.items(), 1):
+            server = _ready(opts, run_dir, name, arms[name], started.get(name), left,
+                            prompt_file, f"{i}/{len(todo)}")
+            if server is None:
+                progress["failures"] += 1
+                progress["done"] += len(left)
+            else:
+                ready[name] = server
+        cells = sorted({cell for name in ready for cell in todo[name]},
+                       key=lambda cp: (list(PASSES).index(cp[1]), cp[0]))
+        for c, pass_name in cells:
+            for name, server in ready.items():
+                if (c, pass_name) in todo[name]:
+                    _run_cell(opts, run_dir, name, arms[name], server, c, pass_name,
+                              prompt_file, progress, f"c={c} {pass_name}, arm {name}")
+        for name, server in ready.items():
+            _finish_arm(opts, run_dir, name, server)
+    finally:
+        for server in list(ready.values()) + list(started.values()):
+            if isinstance(server, Server):
+                server.stop()
+
+
 def run(opts) -> int:
     run_dir = Path(opts.results_root) / opts.run_name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -1042,82 +1153,29 @@ def run(opts) -> int:
     prompt_file = run_dir / "prompts.json"
     write_prompt_file(prompts, max(need, opts.warmup_prompts), prompt_file)
 
-    t_start, done, failures = time.monotonic(), 0, 0
+    t_start = time.monotonic()
+    progress = {"done": 0, "total": total, "failures": 0, "t_start": t_start}
     started = start_together(opts, arms, list(todo), run_dir) if opts.parallel_start else {}
-    for i, (name, left) in enumerate(todo.items(), 1):
-        arm = arms[name]
-        log = run_dir / "logs" / f"{name}.server.log"
-        server = started.get(name)
-        try:
+    if opts.interleave:
+        _run_interleaved(opts, run_dir, arms, todo, started, prompt_file, progress)
+    else:
+        for i, (name, left) in enumerate(todo.items(), 1):
+            server = started.get(name)
             try:
+                server = _ready(opts, run_dir, name, arms[name], server, left, prompt_file,
+                                f"{i}/{len(todo)}")
                 if server is None:
-                    _log(f"arm {i}/{len(todo)} {name}: starting server (log {log})")
-                    server = Server(opts, arm, log)
-                    server.start()
-                elif isinstance(server, Exception):
-                    raise server
-                else:
-                    _log(f"arm {i}/{len(todo)} {name}: server already up")
-                _clear_failure(run_dir, name, None)
-                wc = min(opts.warmup_prompts, max(c for c, _ in left))
-                _log(f"  warm-up: {opts.warmup_prompts} prompts at concurrency {wc}")
-                _bench(opts, server, prompt_file, wc, opts.warmup_prompts, opts.temperature,
-                       run_dir / "logs" / f"{name}.warmup.log")
-            except RuntimeError as e:
-                _fail(run_dir, name, None, str(e), log)
-                failures += 1
-                done += len(left)
-                continue
-            for c, pass_name in left:
-                temp = opts.temperature if PASSES[pass_name] is None else PASSES[pass_name]
-                n = num_prompts_for(c, opts.num_prompts, opts.min_prompts, opts.waves)
-                fname = result_name(name, c, pass_name)
-                blog = run_dir / "logs" / fname.replace(".json", ".bench.log")
-                t0 = time.monotonic()
-                before, _ = server.scrape()
-                try:
-                    _bench(opts, server, prompt_file, c, n, temp, blog,
-                           out_dir=run_dir / "logs", filename=fname + ".partial")
-                except RuntimeError as e:
-                    _fail(run_dir, name, c, str(e), blog)
-                    failures += 1
-                else:
-                    # The worker publishes AV counters every few steps: give
-                    # the last snapshot time to land before the scrape.
-                    time.sleep(opts.metrics_settle_s)
-                    after, _ = server.scrape()
-                    partial = run_dir / "logs" / (fname + ".partial")
-                    try:
-                        result = json.loads(partial.read_text())
-                    except (OSError, ValueError) as e:
-                        _fail(run_dir, name, c, f"no result JSON from the bench: {e}", blog)
-                        failures += 1
-                        done += 1
-                        continue
-                    result["sweep"] = {
-                        "arm": name, "concurrency": c, "pass": pass_name, "family": arm.family,
-                        "role": arm.role, "k": arm.k, "temperature": temp, "num_prompts": n,
-                        "env": dict(arm.env), "server_command": server.command(),
-                        "wall_s": time.monotonic() - t0, "metrics_before": before,
-                        "metrics_after": after, "metrics_delta": metrics_delta(before, after)}
-                    _atomic_json(run_dir / fname, result)
-                    partial.unlink()
-                    _clear_failure(run_dir, name, c)
-                    r = summarize_result(result)
-                    _log(f"  c={c} {pass_name}: {r['output_throughput'] or 0:,.1f} tok/s, "
-                         f"{r['tps_user'] or 0:,.1f} tok/s/user, {r['wall_s']:.0f} s")
-                done += 1
-                el = time.monotonic() - t_start
-                eta = el / done * (total - done)
-                _log(f"  progress {done}/{total} (arm {i}/{len(todo)} {name}, c={c}): "
-                     f"elapsed {_hms(el)}, ETA {_hms(eta)}")
-            _, text = server.scrape()
-            (run_dir / "logs" / f"{name}.metrics.prom").write_text(text)
-            if opts.after_arm_cmd and name in opts.after_arm_arms:
-                _after_arm(opts, server, run_dir / "logs" / f"{name}.after.log")
-        finally:
-            if isinstance(server, Server):
-                server.stop()
+                    progress["failures"] += 1
+                    progress["done"] += len(left)
+                    continue
+                for c, pass_name in left:
+                    _run_cell(opts, run_dir, name, arms[name], server, c, pass_name,
+                              prompt_file, progress, f"arm {i}/{len(todo)} {name}")
+                _finish_arm(opts, run_dir, name, server)
+            finally:
+                if isinstance(server, Server):
+                    server.stop()
+    failures = progress["failures"]
     summary = merge(run_dir)
     _log(f"done in {_hms(time.monotonic() - t_start)}; {failures} failures; "
          f"summary {run_dir / 'summary.json'}")
@@ -1264,6 +1322,10 @@ def parse_args(argv=None):
                    help="start all arms' servers first (profiling arms one at a time, the "
                         "rest together), then bench them one after another; give each server "
                         "its share of the GPU through --server-args")
+    r.add_argument("--interleave", action="store_true",
+                   help="with --parallel-start: bench each concurrency over all arms in turn "
+                        "(servers all up until the end) instead of arm after arm, so that "
+                        "drift on the machine falls on every arm alike")
     r.add_argument("--quiet-start", type=_csv(str), default=list(PROFILING_ROLES),
                    help="with --parallel-start: roles whose servers start alone, before the "
                         f"rest (default {','.join(PROFILING_ROLES)}: their start-up cost "

@@ -97,7 +97,7 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
     --concurrency "${CONC:-1,16,32,64,128,256}" --output-len "${OUTPUT_LEN:-256}" \
     --min-prompts "${MIN_PROMPTS:-8}" --waves "${WAVES:-2}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
-    --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} "$@" >> "$RES/$RUN.log" 2>&1
+    --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} ${INTERLEAVE:+--interleave} "$@" >> "$RES/$RUN.log" 2>&1
   log "sweep $RUN ($arms) on GPU $GPU exit $?"
   python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
 }
@@ -168,7 +168,7 @@ main_sweep() {
   local arms=${ARMS:-ours,ours_async,nospec,nospecv1,nospecv1sync,k3,ngram_ours,ngram_k3,vllm_av}
   # The engine test runs against every arm of ours (names holding "ours").
   local ours_arms
-  ours_arms=$(echo "$arms" | tr , '\n' | grep ours | paste -sd, -)
+  ours_arms=${AFTER_ARMS:-$(echo "$arms" | tr , '\n' | grep ours | paste -sd, -)}
   sweep "$arms" \
     --quiet-start "${QUIET-vllm_av}" \
     --after-arm-cmd "python3 -m pytest -v -s tests/gpu/test_gpu_server.py" \
@@ -184,17 +184,16 @@ more_arms() {
 }
 
 if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
-  # The short round on one GPU, one thing at a time, what matters most
-  # first: ours (both schedulings) against no speculation (V1, V2), vLLM's
-  # AV and the ngram arms, all in one lane; then the greedy tests of vLLM's
-  # AV and fixed K=3 (ours passed under graphs in the fifth round). The
-  # distribution test and the K=3 breakdown (sixth round) and the
-  # piecewise control (fifth) come last, if device time is left.
-  ARMS=${ARMS:-ours_async,ours,nospecv1,nospec,vllm_av,ngram_ours,ngram_k3} QUIET= main_sweep
-  CUDA_VISIBLE_DEVICES=0 AV_TESTS="other_speculative" av_tests
-  CUDA_VISIBLE_DEVICES=0 lossless_test
-  BREAKDOWN_ARMS=k3v1 breakdown 0
-  piecewise_sweep
+  # The short round on one GPU, one thing at a time, correctness first:
+  # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then the sweep of
+  # ARMS side by side (the engine test against AFTER_ARMS' live servers,
+  # default every arm of ours; INTERLEAVE=1 benches each concurrency over
+  # all arms in turn), then AV_TESTS (greedy), if set.
+  export CUDA_VISIBLE_DEVICES=0
+  [[ -n ${LOSSLESS:-} ]] && lossless_test
+  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
+    ARMS=${ARMS:-ours_served,nospec} QUIET= main_sweep
+  [[ -n ${AV_TESTS:-} ]] && av_tests
   log "done"
   touch "$RES/DONE"
   exit 0

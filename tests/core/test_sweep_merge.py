@@ -459,3 +459,70 @@ def test_greedy_only_runs_the_temperature_0_pass_alone(tmp_path, capsys):
     assert "nospec: [(1, 'greedy'), (16, 'greedy')]" in capsys.readouterr().out
     assert sweep.main(args + ["--greedy"]) == 0  # control: both passes
     assert "nospec: [(1, 't1'), (1, 'greedy'), (16, 't1'), (16, 'greedy')]" in capsys.readouterr().out
+
+
+class _FakeServer:
+    """A server that starts at once and scrapes empty /metrics."""
+
+    started: list = []
+
+    def __init__(self, opts, arm, log_path):
+        self.arm, self.proc = arm, None
+
+    def spawn(self):
+        self.proc = object()
+        _FakeServer.started.append(self.arm.name)
+
+    def wait_healthy(self):
+        pass
+
+    def start(self):
+        self.spawn()
+
+    def scrape(self):
+        return {}, ""
+
+    def command(self):
+        return ["vllm", "serve", self.arm.name]
+
+    def stop(self):
+        self.proc = None
+
+
+def _bench_order(tmp_path, monkeypatch, extra: list[str]) -> list[tuple[str, int]]:
+    """Runs a two-arm, two-concurrency sweep against fake servers; the
+    (arm, C) order of its benchmarks, warm-ups left out."""
+    calls = []
+
+    def fake_bench(opts, server, prompt_file, c, n, temp, log_path, out_dir=None,
+                   filename=None):
+        if filename is None:
+            return  # a warm-up
+        calls.append((server.arm.name, c))
+        (out_dir / filename).write_text(json.dumps(
+            {"completed": n, "failed": 0, "output_throughput": 10.0 * c, "mean_tpot_ms": 5.0}))
+
+    _FakeServer.started = []
+    monkeypatch.setattr(sweep, "Server", _FakeServer)
+    monkeypatch.setattr(sweep, "_bench", fake_bench)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    rc = sweep.main(["run", "--run-name", "x", "--results-root", str(tmp_path),
+                     "--arms", "nospec,k1", "--concurrency", "1,16", "--prompts", str(prompts),
+                     "--target", "/m/t", "--draft", "/m/d", "--device", "cpu",
+                     "--metrics-settle-s", "0", "--parallel-start", *extra])
+    assert rc == 0
+    for a in ("nospec", "k1"):
+        for c in (1, 16):
+            assert sweep.is_done(tmp_path / "x", a, c), (a, c)
+    return calls
+
+
+def test_arms_run_one_after_another_by_default(tmp_path, monkeypatch):
+    assert _bench_order(tmp_path, monkeypatch, []) == [
+        ("nospec", 1), ("nospec", 16), ("k1", 1), ("k1", 16)]
+
+
+def test_interleave_benches_each_concurrency_over_every_arm_in_turn(tmp_path, monkeypatch):
+    assert _bench_order(tmp_path, monkeypatch, ["--interleave"]) == [
+        ("nospec", 1), ("k1", 1), ("nospec", 16), ("k1", 16)]
