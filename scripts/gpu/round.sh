@@ -194,6 +194,11 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
     ARMS=${ARMS:-ours_served,nospec} QUIET= main_sweep
   [[ -n ${AV_TESTS:-} ]] && av_tests
+  # LOSSLESS_AFTER: more distribution tests (a pytest -k selection) last.
+  if [[ -n ${LOSSLESS_AFTER:-} ]]; then
+    cp "$RES/tests_gpu_lossless.log" "$RES/tests_gpu_lossless_first.log" 2>/dev/null
+    LOSSLESS_TESTS=$LOSSLESS_AFTER lossless_test
+  fi
   log "done"
   touch "$RES/DONE"
   exit 0
