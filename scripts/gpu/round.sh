@@ -191,8 +191,10 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # all arms in turn), then AV_TESTS (greedy), if set.
   export CUDA_VISIBLE_DEVICES=0
   [[ -n ${LOSSLESS:-} ]] && lossless_test
-  OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
-    ARMS=${ARMS:-ours_served,nospec} QUIET= main_sweep
+  if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
+    OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
+      ARMS=${ARMS:-ours_served,nospec} QUIET= main_sweep
+  fi
   [[ -n ${AV_TESTS:-} ]] && av_tests
   # LOSSLESS_AFTER: more distribution tests (a pytest -k selection) last.
   if [[ -n ${LOSSLESS_AFTER:-} ]]; then

@@ -103,6 +103,18 @@ def cost_table(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def flat_cost_table(tmp_path_factory):
+    # Verification as cheap at 512 tokens as at one: the budget admits
+    # every draft, so nothing is trimmed.
+    from vllm_av.core.cost_model import CostModel
+
+    path = tmp_path_factory.mktemp("gpu_lossless_flat") / "cost.json"
+    verify = {n: [10.0] for n in (1, 64, 128, 256, 512)}
+    path.write_text(CostModel.from_samples(verify, {1: [1.0]}).to_json())
+    return path
+
+
 def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
            async_scheduling: bool | None = False, env_extra: dict | None = None,
            alternate_depth: bool = False, prompt: list[int] = PROMPT) -> np.ndarray:
@@ -192,15 +204,18 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
 # the drafter: over holes in its KV cache (the served default), with the
 # drafter's catch-up (option drafter_catch_up: its first forward widened by
 # the positions depth-0 steps skipped), and the catch-up with the drafter
-# eager (our drafter graphs off). The eighteenth round saw the catch-up
-# fail this test (p = 5e-120 on token 2) on code before its layout followed
-# the verified lengths; these variants tell the parts apart. A 20-token
-# prompt (LONG_PROMPT): a window reaches back at most to the scheduler's
-# count less 2K, so after the 4-token prompt few positions are caught up.
+# eager (our drafter graphs off); and with depth 0 running the drafter's
+# first forward (option zero_depth_skips_drafter off: no holes). The
+# nineteenth round saw holes and catch-up fail under the trimming table
+# (token 2 p = 8e-30 and 4e-24); the variants and the two tests after this
+# one tell the parts apart. A 20-token prompt (LONG_PROMPT): a window
+# reaches back at most to the scheduler's count less 2K, so after the
+# 4-token prompt few positions are caught up.
 SKIPPED_DRAFTER_VARIANTS = {
     "holes": {},
     "catch_up": {"VLLM_AV_DRAFTER_CATCH_UP": "1"},
     "catch_up_eager_drafter": {"VLLM_AV_DRAFTER_CATCH_UP": "1", "VLLM_AV_DRAFTER_GRAPHS": "0"},
+    "keep_kv": {"VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},
 }
 
 
@@ -223,6 +238,28 @@ def test_our_av_on_model_runner_v2_with_skipped_drafter_matches_target_distribut
     assert stats is not None and stats["verified"] > 0 and stats["zero_depth_steps"] > 0, stats
     if "VLLM_AV_DRAFTER_CATCH_UP" in SKIPPED_DRAFTER_VARIANTS[variant]:
         assert stats.get("catch_up_tokens", 0) > 0, stats
+
+
+def test_our_av_on_model_runner_v2_with_skipped_drafter_untrimmed_matches_target_distribution(
+        models, exact_long, flat_cost_table, tmp_path):
+    """Depth 0/K alternating over holes, every draft verified: depth-0
+    steps without trimming."""
+    pvals, stats = _sample_on_v2(models, exact_long, flat_cost_table, tmp_path,
+                                 "MRV2, depth 0/K alternating, holes, untrimmed", {},
+                                 alternate_depth=True, prompt=LONG_PROMPT)
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["zero_depth_steps"] > 0 and stats["trimmed"] == 0, stats
+
+
+def test_our_av_on_model_runner_v2_at_depth_k_trimmed_matches_target_distribution(
+        models, exact_long, cost_table, tmp_path):
+    """Every step drafts K (no depth-0 step) and the budget trims: the
+    device's admission and varlen verify layout without depth 0."""
+    pvals, stats = _sample_on_v2(models, exact_long, cost_table, tmp_path,
+                                 "MRV2, depth K, trimmed", {"VLLM_AV_TEST_FIXED_DEPTH": str(K)},
+                                 prompt=LONG_PROMPT)
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["zero_depth_steps"] == 0 and stats["trimmed"] > 0, stats
 
 
 def test_negative_control_token_dependent_admission_is_detected_on_gpu(
