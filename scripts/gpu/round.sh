@@ -188,12 +188,13 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then the sweep of
   # ARMS side by side (the engine test against AFTER_ARMS' live servers,
   # default every arm of ours; INTERLEAVE=1 benches each concurrency over
-  # all arms in turn), then AV_TESTS (greedy), if set.
+  # all arms in turn; QUIET=ours starts ours' servers one at a time, for
+  # start-up profiles on a quiet GPU), then AV_TESTS (greedy), if set.
   export CUDA_VISIBLE_DEVICES=0
   [[ -n ${LOSSLESS:-} ]] && lossless_test
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
-      ARMS=${ARMS:-ours_served,nospec} QUIET= main_sweep
+      ARMS=${ARMS:-ours_served,nospec} QUIET=${QUIET:-none} main_sweep
   fi
   [[ -n ${AV_TESTS:-} ]] && av_tests
   # LOSSLESS_AFTER: more distribution tests (a pytest -k selection) last.

@@ -13,7 +13,9 @@ once with async scheduling in bfloat16, the default on one GPU (depth
 chosen when each step is scheduled, every draft verified); and on Model
 Runner V2 through our MRV2 path in bfloat16: with the drafter's KV kept
 whole at depth 0, and with the depth forced to alternate 0 and K, over
-the holes depth-0 steps leave and with them caught up. Four chi-square
+the holes depth-0 steps leave, with them caught up, and with the drafter
+run at depth 0; then the parts apart: alternating with every draft
+verified, and depth K on every step under trimming. Four chi-square
 tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
