@@ -786,6 +786,9 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        # Set by the sweep (--shared-cost-table): where this server writes
+        # or reads its start-up cost table.
+        self.extra_env: dict[str, str] = {}
 
     def command(self) -> list[str]:
         cmd = [*self.opts.vllm_cmd, "serve", str(self.opts.target), "--host", "127.0.0.1",
@@ -798,7 +801,7 @@ class Server:
         return cmd
 
     def env(self) -> dict:
-        env = {**os.environ, **dict(self.arm.env)}
+        env = {**os.environ, **dict(self.arm.env), **self.extra_env}
         out = env.get("VLLM_AV_COST_TABLE_OUT")
         if out:  # one cost table per arm, not the last arm's over the others
             path = Path(out)
@@ -988,13 +991,21 @@ def start_together(opts, arms: dict, names: list[str], run_dir: Path) -> dict:
     --server-args). Returns name -> Server, or the exception that stopped it.
     """
     out: dict = {}
-    quiet = [n for n in names if arms[n].role in opts.quiet_start]
+    leaders = cost_table_leaders(arms, names) if opts.shared_cost_table else {}
+    quiet = [n for n in names if arms[n].role in opts.quiet_start or n in leaders.values()]
     rest = [n for n in names if n not in quiet]
+    tables: dict[str, str] = {}  # family -> its leader's cost table
     for group in [[n] for n in quiet] + ([rest] if rest else []):
         _log(f"starting {', '.join(group)} together" if len(group) > 1 else f"starting {group[0]}")
         for n in group:
-            out[n] = Server(opts, arms[n], run_dir / "logs" / f"{n}.server.log")
-            out[n].spawn()
+            out[n] = server = Server(opts, arms[n], run_dir / "logs" / f"{n}.server.log")
+            family = arms[n].family
+            if leaders.get(family) == n:
+                if "VLLM_AV_COST_TABLE_OUT" not in os.environ:
+                    server.extra_env["VLLM_AV_COST_TABLE_OUT"] = str(run_dir / "logs" / "cost_table.json")
+            elif family in tables and arms[n].role == "ours" and "VLLM_AV_COST_TABLE" not in arms[n].env:
+                server.extra_env["VLLM_AV_COST_TABLE"] = tables[family]
+            server.spawn()
         for n in group:
             try:
                 out[n].wait_healthy()
@@ -1002,7 +1013,22 @@ def start_together(opts, arms: dict, names: list[str], run_dir: Path) -> dict:
             except RuntimeError as e:
                 out[n].stop()
                 out[n] = e
+                continue
+            table = out[n].env().get("VLLM_AV_COST_TABLE_OUT")
+            if leaders.get(arms[n].family) == n and table and Path(table).is_file():
+                tables[arms[n].family] = table
+                _log(f"  {n}'s cost table ({table}) serves the {arms[n].family} family's other ours arms")
     return out
+
+
+def cost_table_leaders(arms: dict, names: list[str]) -> dict[str, str]:
+    """--shared-cost-table: family -> its first arm of ours, which starts
+    alone and profiles the costs its family's other ours arms then load."""
+    leaders: dict[str, str] = {}
+    for n in names:
+        if arms[n].role == "ours":
+            leaders.setdefault(arms[n].family, n)
+    return leaders
 
 
 def _ready(opts, run_dir: Path, name: str, arm, server, left, prompt_file: Path, label: str):
@@ -1061,7 +1087,8 @@ def _run_cell(opts, run_dir: Path, name: str, arm, server, c: int, pass_name: st
             result["sweep"] = {
                 "arm": name, "concurrency": c, "pass": pass_name, "family": arm.family,
                 "role": arm.role, "k": arm.k, "temperature": temp, "num_prompts": n,
-                "env": dict(arm.env), "server_command": server.command(),
+                "env": {**dict(arm.env), **server.extra_env},
+                "server_command": server.command(),
                 "wall_s": time.monotonic() - t0, "metrics_before": before,
                 "metrics_after": after, "metrics_delta": metrics_delta(before, after)}
             _atomic_json(run_dir / fname, result)
@@ -1322,6 +1349,11 @@ def parse_args(argv=None):
                    help="start all arms' servers first (profiling arms one at a time, the "
                         "rest together), then bench them one after another; give each server "
                         "its share of the GPU through --server-args")
+    r.add_argument("--shared-cost-table", action="store_true",
+                   help="with --parallel-start: the first ours arm of each family starts alone "
+                        "(its start-up cost profile on a quiet GPU) and the family's other ours "
+                        "arms load its table (VLLM_AV_COST_TABLE) instead of profiling while "
+                        "other servers start")
     r.add_argument("--interleave", action="store_true",
                    help="with --parallel-start: bench each concurrency over all arms in turn "
                         "(servers all up until the end) instead of arm after arm, so that "

@@ -97,7 +97,7 @@ sweep() {  # sweep <arms> [extra sweep args]; RUN and GPU pick the folder and th
     --prompts .gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl \
     --concurrency "${CONC:-1,16,32,64,128,256}" --output-len "${OUTPUT_LEN:-256}" \
     --min-prompts "${MIN_PROMPTS:-8}" --waves "${WAVES:-2}" --warmup-prompts 8 --health-timeout 600 --parallel-start \
-    --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} ${INTERLEAVE:+--interleave} "$@" >> "$RES/$RUN.log" 2>&1
+    --server-args "$SERVER_ARGS" --arms "$arms" ${GREEDY:+--greedy} ${INTERLEAVE:+--interleave} ${SHARED_TABLE:+--shared-cost-table} "$@" >> "$RES/$RUN.log" 2>&1
   log "sweep $RUN ($arms) on GPU $GPU exit $?"
   python3 benchmarks/sweep.py report "$RES/$RUN" --no-plots > "$RES/$RUN.report.md" 2>&1
 }
@@ -188,8 +188,9 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then the sweep of
   # ARMS side by side (the engine test against AFTER_ARMS' live servers,
   # default every arm of ours; INTERLEAVE=1 benches each concurrency over
-  # all arms in turn; QUIET=ours starts ours' servers one at a time, for
-  # start-up profiles on a quiet GPU), then AV_TESTS (greedy), if set.
+  # all arms in turn; SHARED_TABLE=1 starts the first ours arm alone and
+  # gives its quiet start-up cost table to the other ours arms; QUIET=ours
+  # starts every ours server alone), then AV_TESTS (greedy), if set.
   export CUDA_VISIBLE_DEVICES=0
   [[ -n ${LOSSLESS:-} ]] && lossless_test
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep

@@ -461,17 +461,18 @@ def test_greedy_only_runs_the_temperature_0_pass_alone(tmp_path, capsys):
     assert "nospec: [(1, 't1'), (1, 'greedy'), (16, 't1'), (16, 'greedy')]" in capsys.readouterr().out
 
 
-class _FakeServer:
-    """A server that starts at once and scrapes empty /metrics."""
+class _FakeServer(sweep.Server):
+    """A server that starts at once, scrapes empty /metrics and, asked to
+    write a cost table, writes one."""
 
     started: list = []
 
-    def __init__(self, opts, arm, log_path):
-        self.arm, self.proc = arm, None
-
     def spawn(self):
         self.proc = object()
-        _FakeServer.started.append(self.arm.name)
+        _FakeServer.started.append((self.arm.name, dict(self.extra_env)))
+        out = self.env().get("VLLM_AV_COST_TABLE_OUT")
+        if out:
+            Path(out).write_text("{}")
 
     def wait_healthy(self):
         pass
@@ -482,14 +483,12 @@ class _FakeServer:
     def scrape(self):
         return {}, ""
 
-    def command(self):
-        return ["vllm", "serve", self.arm.name]
-
     def stop(self):
         self.proc = None
 
 
-def _bench_order(tmp_path, monkeypatch, extra: list[str]) -> list[tuple[str, int]]:
+def _bench_order(tmp_path, monkeypatch, extra: list[str],
+                 arms: tuple[str, ...] = ("nospec", "k1")) -> list[tuple[str, int]]:
     """Runs a two-arm, two-concurrency sweep against fake servers; the
     (arm, C) order of its benchmarks, warm-ups left out."""
     calls = []
@@ -508,11 +507,11 @@ def _bench_order(tmp_path, monkeypatch, extra: list[str]) -> list[tuple[str, int
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
     rc = sweep.main(["run", "--run-name", "x", "--results-root", str(tmp_path),
-                     "--arms", "nospec,k1", "--concurrency", "1,16", "--prompts", str(prompts),
+                     "--arms", ",".join(arms), "--concurrency", "1,16", "--prompts", str(prompts),
                      "--target", "/m/t", "--draft", "/m/d", "--device", "cpu",
                      "--metrics-settle-s", "0", "--parallel-start", *extra])
     assert rc == 0
-    for a in ("nospec", "k1"):
+    for a in arms:
         for c in (1, 16):
             assert sweep.is_done(tmp_path / "x", a, c), (a, c)
     return calls
@@ -526,3 +525,27 @@ def test_arms_run_one_after_another_by_default(tmp_path, monkeypatch):
 def test_interleave_benches_each_concurrency_over_every_arm_in_turn(tmp_path, monkeypatch):
     assert _bench_order(tmp_path, monkeypatch, ["--interleave"]) == [
         ("nospec", 1), ("k1", 1), ("nospec", 16), ("k1", 16)]
+
+
+def test_a_shared_cost_table_is_profiled_alone_then_loaded_by_the_familys_other_ours_arms(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_AV_COST_TABLE_OUT", raising=False)
+    arms = ("nospec", "ours_served", "ngram_ours_served", "ours_v2g_d0")
+    _bench_order(tmp_path, monkeypatch, ["--shared-cost-table", "--quiet-start", "none"], arms)
+    started = dict(_FakeServer.started)
+    # Each family's first ours arm starts alone, first, writing its table.
+    assert [n for n, _ in _FakeServer.started[:2]] == ["ours_served", "ngram_ours_served"]
+    table = str(tmp_path / "x" / "logs" / "cost_table_ours_served.json")
+    assert Path(table).is_file()
+    # Its family's other ours arm loads it; other families and roles do not.
+    assert started["ours_v2g_d0"] == {"VLLM_AV_COST_TABLE": table}
+    assert "VLLM_AV_COST_TABLE" not in started["ngram_ours_served"]
+    assert started["nospec"] == {}
+    result = json.loads((tmp_path / "x" / sweep.result_name("ours_v2g_d0", 1)).read_text())
+    assert result["sweep"]["env"]["VLLM_AV_COST_TABLE"] == table
+
+
+def test_without_a_shared_cost_table_every_ours_arm_profiles_its_own(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_AV_COST_TABLE_OUT", raising=False)
+    _bench_order(tmp_path, monkeypatch, ["--quiet-start", "none"], ("ours_served", "ours_v2g_d0"))
+    assert all(env == {} for _, env in _FakeServer.started)
