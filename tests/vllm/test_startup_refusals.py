@@ -287,3 +287,44 @@ def test_config_without_av_is_left_alone(tiny_models):
     config = engine_config(tiny_models, av=False)
     assert "vllm_av" not in (config.additional_config or {})
     assert config.speculative_config.enable_adaptive_verification is False
+
+
+@pytest.fixture
+def v2_by_default(monkeypatch):
+    """Model Runner V2 as vLLM picks it on a GPU (unless the environment
+    names V1); the variable our start-up may set is restored afterwards."""
+    from vllm.config.vllm import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(
+        lambda self: os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"))
+    yield
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+
+def test_enforce_eager_serves_our_av_on_model_runner_v1(tiny_models, v2_by_default):
+    # V2 would refuse AV without FULL graphs; our V1 path serves it eagerly.
+    config = engine_config(tiny_models, enforce_eager=True)
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    assert not config.use_v2_model_runner
+    assert "vllm_av" in config.additional_config
+    assert config.speculative_config.enable_adaptive_verification is False
+
+
+def test_a_runner_named_in_the_environment_is_kept_with_enforce_eager(tiny_models, monkeypatch,
+                                                                      v2_by_default):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    # V2 kept: here (no CUDA) our V2 path refuses it, as it would without eager.
+    with pytest.raises(ValueError, match="needs CUDA"):
+        engine_config(tiny_models, enforce_eager=True)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_graphs_keep_model_runner_v2():
+    from types import SimpleNamespace
+
+    from vllm_av.vllm.config_patch import prefer_v1_when_eager
+
+    config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False),
+                             use_v2_model_runner=True)
+    prefer_v1_when_eager(config)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from dataclasses import replace
 
@@ -167,6 +168,23 @@ def route_mrv2(vllm_config) -> None:
     )
 
 
+def prefer_v1_when_eager(vllm_config) -> None:
+    """`--enforce-eager` with no runner named: Model Runner V2 serves AV only
+    under FULL CUDA graphs (vLLM refuses it eager), while our V1 path runs it
+    eagerly, costs profiled without graphs. Name V1 in the environment, which
+    the engine's processes inherit, and say so."""
+    model = getattr(vllm_config, "model_config", None)
+    if (not getattr(model, "enforce_eager", False)
+            or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None
+            or not vllm_config.use_v2_model_runner):
+        return
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    logger.warning(
+        "vllm-av: --enforce-eager: Model Runner V2 serves adaptive verification only "
+        "with FULL CUDA graphs, so it is served on Model Runner V1, eagerly "
+        "(VLLM_USE_V2_MODEL_RUNNER=1 keeps V2, where vLLM refuses it eager)")
+
+
 class RouteAdaptiveVerificationPatch(VllmPatch):
     """Serve `enable_adaptive_verification` with vllm-av (Model Runner V1; V2 on CUDA).
 
@@ -184,7 +202,10 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
         VLLM_AV_MRV2=0) record our options and keep the flag: vLLM's
         AV machinery runs with our estimator and manager in it
         (vllm_av/vllm/mrv2/patches.py; ngram through MRV2NgramAVPatch);
-        otherwise refuse V2 with a message naming the three ways out.
+        otherwise refuse V2 with a message naming the three ways out. With
+        `--enforce-eager` and no runner named (VLLM_USE_V2_MODEL_RUNNER
+        unset), serve on V1, which runs our AV eagerly, rather than let V2
+        refuse it for want of FULL graphs (`prefer_v1_when_eager`).
     Upstream: a plugin seam for adaptive verification in Model Runner V1, or
         a speculative-config field naming the AV implementation.
     Remove when: vLLM accepts an out-of-tree AV implementation on every runner.
@@ -197,6 +218,7 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
     def __post_init__(self):
         spec = self.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
+            prefer_v1_when_eager(self)
             if not self.use_v2_model_runner:
                 check_supported(self)
                 options = AVOptions.from_env().with_metrics_dir()
