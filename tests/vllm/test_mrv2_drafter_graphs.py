@@ -200,3 +200,33 @@ def test_with_a_graph_in_force_metadata_takes_its_shape_and_forwards_replay_it(m
     with pytest.raises(RuntimeError), dg._replaying(spec, shape):
         raise RuntimeError("drafter failed")
     assert spec._vllm_av_replay is None
+
+
+def test_a_prefill_replays_metadata_states_the_bound_its_graph_was_captured_with(monkeypatch):
+    """vLLM's build under a prefill replay gets the capture's longest query
+    (as long as any replayed one can be); decode replays, eager builds and
+    builds after the replay pass vLLM's own bound through."""
+    kv = object()
+    graphs = _graphs(kv)
+    spec = _Spec(graphs, kv)
+    seen = []
+
+    def vllms_build(**kwargs):  # the speculator module's build_attn_metadata
+        seen.append(kwargs["max_query_len"])
+
+    def orig_build(self, num_reqs, batch_desc, **kwargs):  # vLLM's _build_attn_metadata
+        dg.build_attn_metadata(max_query_len=2)  # the host layout's longest query
+
+    module = SimpleNamespace(_orig_build_attn_metadata=vllms_build)
+    monkeypatch.setattr(dg.importlib, "import_module", lambda name: module)
+    monkeypatch.setattr(_Spec, "_orig__build_attn_metadata", orig_build)
+    monkeypatch.setattr(dg, "_full_desc", lambda s, uniform: s)
+    big, small = GraphShape("prefill", 24, 12), GraphShape("prefill", 4, 2)
+    for shape in (big, small, GraphShape("decode", 4, 4)):
+        with dg._replaying(spec, shape):
+            spec._build_attn_metadata(3, "vLLM's desc")
+    spec._build_attn_metadata(3, "vLLM's desc")  # eager
+    dg.build_attn_metadata(max_query_len=2)  # another speculator's build
+    assert seen == [K + 2, 4, 2, 2, 2]
+    assert capture_query_lens(big, K + 2).max() == K + 2
+    assert capture_query_lens(small, K + 2).max() == 4

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -126,6 +127,12 @@ def capture_query_lens(shape: GraphShape, max_query_len: int) -> np.ndarray:
     rest = min(shape.num_reqs - 1, shape.num_tokens - first)
     lens[1:1 + rest] = 1
     return lens
+
+
+def capture_bound(shape: GraphShape, max_query_len: int) -> int:
+    """The longest query of the dummy batch a graph of `shape` is captured
+    on (capture_query_lens), which its replays' metadata must state."""
+    return int(capture_query_lens(shape, max_query_len).max())
 
 
 @dataclass
@@ -259,15 +266,25 @@ class MRV2DrafterGraphsPatch(VllmPatch):
 
     def _build_attn_metadata(self, *args, **kwargs):
         shape = getattr(self, "_vllm_av_replay", None)
-        if shape is not None:
-            # The graph's shape: the builders then write the persistent
-            # buffers the graph reads, padded as it was captured.
-            desc = _full_desc(shape, uniform=shape.kind == "decode")
-            if "batch_desc" in kwargs:
-                kwargs["batch_desc"] = desc
-            else:
-                args = (args[0], desc, *args[2:])
-        return type(self)._orig__build_attn_metadata(self, *args, **kwargs)
+        if shape is None:
+            return type(self)._orig__build_attn_metadata(self, *args, **kwargs)
+        # The graph's shape: the builders then write the persistent buffers
+        # the graph reads, padded as it was captured.
+        desc = _full_desc(shape, uniform=shape.kind == "decode")
+        if "batch_desc" in kwargs:
+            kwargs["batch_desc"] = desc
+        else:
+            args = (args[0], desc, *args[2:])
+        # A prefill graph was captured with its first request as long as any
+        # replayed one can be: its replays are built at that bound
+        # (MRV2DraftMetadataBoundPatch).
+        bound = (capture_bound(shape, self._vllm_av_graphs.max_query_len + 1)
+                 if shape.kind == "prefill" else None)
+        _METADATA_BOUND["max_query_len"] = bound
+        try:
+            return type(self)._orig__build_attn_metadata(self, *args, **kwargs)
+        finally:
+            _METADATA_BOUND["max_query_len"] = None
 
     def _run_model(self, input_ids, *args, **kwargs):
         shape = getattr(self, "_vllm_av_replay", None)
@@ -275,6 +292,51 @@ class MRV2DrafterGraphsPatch(VllmPatch):
             return type(self)._orig__run_model(self, input_ids, *args, **kwargs)
         # The inputs sit in the buffers the graph was captured on.
         return self._vllm_av_graphs.replay(shape)[: input_ids.shape[0]]
+
+
+# The bound a draft metadata build in flight must state (set around the
+# build of a prefill graph's replay; None otherwise).
+_METADATA_BOUND: dict = {"max_query_len": None}
+
+
+def build_attn_metadata(*args, **kwargs):
+    """vLLM's `build_attn_metadata` as the speculator module calls it, with
+    `max_query_len` raised to the bound of the prefill graph being replayed."""
+    bound = _METADATA_BOUND["max_query_len"]
+    if bound is not None and kwargs.get("max_query_len") is not None:
+        kwargs["max_query_len"] = max(int(kwargs["max_query_len"]), bound)
+    module = importlib.import_module(MRV2DraftMetadataBoundPatch.target)
+    return module._orig_build_attn_metadata(*args, **kwargs)
+
+
+class MRV2DraftMetadataBoundPatch(VllmPatch):
+    """Build a drafter prefill graph's replay metadata at its capture bound.
+
+    Target: vllm.v1.worker.gpu.spec_decode.speculator.build_attn_metadata
+    Why: `_build_attn_metadata` states the longest query of the host's
+        layout, which is shorter than the K + 2 tokens our prefill graphs
+        were captured with (and, under our trimming, the host deals the
+        budget round-robin, so it can be shorter than the device's longest
+        query). On the target side the same kind of mismatch (metadata for
+        one token replayed through a graph captured for K + 1) gave wrong
+        outputs on the H200 (MRV2ReplayBoundPatch); here it would give
+        wrong drafts.
+    How: while `MRV2DrafterGraphsPatch._build_attn_metadata` builds the
+        metadata of a prefill graph's replay, the speculator module's
+        `build_attn_metadata` gets `max_query_len` raised to that graph's
+        capture bound; every other call passes through unchanged.
+    Upstream: CUDA graphs for StandaloneARSpeculator (their replay metadata
+        then built at the captured bound).
+    Remove when: MRV2DrafterGraphsPatch goes.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu.spec_decode.speculator"
+    attributes = ("build_attn_metadata",)
+    platforms = ("cuda",)
+
+    # A plain function on the class lands on the module as a function.
+    build_attn_metadata = build_attn_metadata
 
 
 @contextlib.contextmanager

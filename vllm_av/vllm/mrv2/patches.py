@@ -19,7 +19,7 @@ from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.mrv2.catch_up import MRV2CatchUpInputsPatch
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
 from vllm_av.vllm.mrv2.draft_metadata import MRV2DraftLayerMetadataPatch
-from vllm_av.vllm.mrv2.drafter_graphs import MRV2DrafterGraphsPatch
+from vllm_av.vllm.mrv2.drafter_graphs import MRV2DraftMetadataBoundPatch, MRV2DrafterGraphsPatch
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
 from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
@@ -131,7 +131,7 @@ class MRV2EstimatorPatch(VllmPatch):
 MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
                 MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch,
-                MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch]
+                MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch, MRV2DraftMetadataBoundPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:
