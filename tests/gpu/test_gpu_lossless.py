@@ -207,10 +207,11 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
 # drafter's catch-up (option drafter_catch_up: its first forward widened by
 # the positions depth-0 steps skipped), and the catch-up with the drafter
 # eager (our drafter graphs off); and with depth 0 running the drafter's
-# first forward (option zero_depth_skips_drafter off: no holes). The
-# nineteenth round saw holes and catch-up fail under the trimming table
-# (token 2 p = 8e-30 and 4e-24); the variants and the two tests after this
-# one tell the parts apart. A 20-token prompt (LONG_PROMPT): a window
+# first forward (option zero_depth_skips_drafter off: no holes). In the
+# nineteenth round every form failed (token 2 p = 8e-30 over holes) until
+# depth-0 steps replaying a varlen graph were built at its bound
+# (MRV2ReplayBoundPatch); with it, holes and catch-up passed. The two tests
+# after this one tell the parts apart. A 20-token prompt (LONG_PROMPT): a window
 # reaches back at most to the scheduler's count less 2K, so after the
 # 4-token prompt few positions are caught up.
 SKIPPED_DRAFTER_VARIANTS = {
