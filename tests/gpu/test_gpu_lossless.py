@@ -208,7 +208,7 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
 # the positions depth-0 steps skipped), and the catch-up with the drafter
 # eager (our drafter graphs off); and with depth 0 running the drafter's
 # first forward (option zero_depth_skips_drafter off: no holes). In the
-# nineteenth round every form failed (token 2 p = 8e-30 over holes) until
+# nineteenth round every form run failed (token 2 p = 8e-30 over holes) until
 # depth-0 steps replaying a varlen graph were built at its bound
 # (MRV2ReplayBoundPatch); with it, holes and catch-up passed. The two tests
 # after this one tell the parts apart. A 20-token prompt (LONG_PROMPT): a window
