@@ -131,8 +131,9 @@ def capture_query_lens(shape: GraphShape, max_query_len: int) -> np.ndarray:
 
 def capture_bound(shape: GraphShape, max_query_len: int) -> int:
     """The longest query of the dummy batch a graph of `shape` is captured
-    on (capture_query_lens), which its replays' metadata must state."""
-    return int(capture_query_lens(shape, max_query_len).max())
+    on (capture_query_lens: its first request), which its replays' metadata
+    must state; computed without building that batch, once per replay."""
+    return min(max_query_len, shape.num_tokens)
 
 
 @dataclass

@@ -40,7 +40,7 @@ def replay_bound(batch_desc, own_bound: int | None) -> int | None:
     step's own (`own_bound`; None: its longest query)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    bound = getattr(batch_desc, "max_query_len", None)
+    bound = batch_desc.max_query_len
     if (batch_desc.cg_mode != CUDAGraphMode.FULL or bound is None
             or batch_desc.uniform_token_count is not None):
         return own_bound
@@ -76,6 +76,11 @@ class MRV2ReplayBoundPatch(VllmPatch):
     def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc, *args, **kwargs):
         batch = type(self)._orig_prepare_inputs(self, scheduler_output, batch_req_state,
                                                 batch_desc, *args, **kwargs)
-        if getattr(self, "pcp_manager", None) is None and av_options_of(self.vllm_config):
+        serves = getattr(self, "_vllm_av_replay_bound", None)
+        if serves is None:  # decided once: the config does not change
+            serves = self._vllm_av_replay_bound = (
+                getattr(self, "pcp_manager", None) is None
+                and av_options_of(self.vllm_config) is not None)
+        if serves:
             batch.max_query_len = replay_bound(batch_desc, batch.max_query_len)
         return batch
