@@ -165,6 +165,27 @@ def test_our_av_starts_eager_on_the_v1_runner_and_keeps_greedy_outputs(plain_out
     assert_agrees(ours, plain_outputs, "eager")
 
 
+def test_our_av_with_enforce_eager_and_no_runner_named_is_served_on_v1(plain_outputs, tmp_path,
+                                                                      monkeypatch):
+    """`--enforce-eager` with nothing else set: vLLM's default runner on a
+    GPU is V2, which refuses AV without FULL graphs; the flag is served on
+    V1 eagerly instead (`prefer_v1_when_eager`), outputs agree, and our
+    manager sized the steps (its snapshot exists only where it ran)."""
+    from vllm_av.vllm.metrics import read_snapshot
+
+    for name in ("VLLM_AV_MRV2", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_AV_IMPL",
+                 "VLLM_AV_DRAFTER_GRAPHS"):
+        monkeypatch.delenv(name, raising=False)
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
+            "enable_adaptive_verification": True}
+    counts: dict = {}
+    outs = run_engine(spec, eager=True, counts=counts,
+                      env_extra={"VLLM_AV_METRICS_DIR": str(tmp_path), "VLLM_AV_METRICS_INTERVAL": "1"})
+    assert_agrees(outs, plain_outputs, "ours eager, no runner named", counts)
+    stats = read_snapshot(str(tmp_path))
+    assert stats is not None and stats["steps"] > 0, stats
+
+
 def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}
