@@ -88,6 +88,11 @@ def test_the_drafter_catch_up_counter_shows_when_given(tmp_path):
     write_snapshot(str(tmp_path), _verifier(), extra={"catch_up_tokens": 1152})
     fam = _families(tmp_path)["vllm_av:drafter_catch_up_tokens"]
     assert [s.value for s in fam.samples if s.name.endswith("_total")] == [1152]
+    assert "vllm_av:drafter_catch_up_holes_left" not in _families(tmp_path)  # not given
+    write_snapshot(str(tmp_path), _verifier(),
+                   extra={"catch_up_tokens": 1152, "catch_up_holes_left": 14})
+    fam = _families(tmp_path)["vllm_av:drafter_catch_up_holes_left"]
+    assert [s.value for s in fam.samples if s.name.endswith("_total")] == [14]
 
 
 def test_depths_chosen_show_per_depth(tmp_path):

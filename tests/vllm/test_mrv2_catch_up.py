@@ -54,6 +54,40 @@ def test_a_slot_handed_to_another_request_starts_with_nothing_missed():
     assert ledger.windows(["new"], [2], [50], 100).tolist() == [1]
 
 
+def test_after_depth_0_steps_a_window_reaches_back_to_the_sequence_start():
+    """The scheduler's count of computed tokens may run ahead of a request's
+    first query by the rejected drafts it still holds, at most those of
+    the latest steps: after steps that drafted nothing it is exact, and a
+    skipped prompt is caught up whole, its first positions included."""
+    K = 4
+    ledger = CatchUpLedger(8, K)
+    assert ledger.count_slack(K) == 2 * K  # nothing known yet: two steps of K
+    ledger.skipped(["a"], [0], [20])  # the prompt, drafter skipped
+    ledger.drafted(0)
+    ledger.skipped(["a"], [0], [1])
+    ledger.drafted(0)
+    assert ledger.count_slack(K) == K  # one step not yet known
+    ledger.skipped(["a"], [0], [1])
+    ledger.drafted(0)
+    assert ledger.count_slack(K) == 0
+    computed = 22  # exact: no draft was scheduled
+    w = ledger.windows(["a"], [0], [computed - ledger.count_slack(K)], room=100)
+    assert w.tolist() == [22] and ledger.dropped == 0
+    # Negative control, the bound without the depths (two steps of K):
+    # the first 2K positions, the prompt's first tokens, stay holes.
+    old = CatchUpLedger(8)
+    old.skipped(["a"], [0], [22])
+    assert old.windows(["a"], [0], [computed - 2 * K], room=100).tolist() == [14]
+    assert old.dropped == 2 * K
+    # Steps that drafted keep their drafts in the margin, capped at 2K.
+    ledger.drafted(3)
+    ledger.drafted(0)
+    assert ledger.count_slack(K) == 3
+    for _ in range(3):
+        ledger.drafted(K)
+    assert ledger.count_slack(K) == 2 * K
+
+
 def test_rows_move_by_the_windows_and_correction_rows_before_them():
     assert row_shifts(np.array([2, 0, 7])).tolist() == [0, 3, 4, 12]
 
@@ -233,6 +267,8 @@ def test_depth_patch_widens_the_next_drafting_call_by_what_depth_0_steps_skipped
     assert catch_up._STATE["plan"] is None  # cleared after the call
     spec.propose(_batch([2, 3], [53, 20]), num_speculative_tokens=K)
     assert calls[-1][1:] == (5, [0, 2, 5], None)  # nothing missed since
+    # Every step's depth is in the ledger, for the next windows' bound.
+    assert spec._vllm_av_catch_up.recent == [0, 2, K]
     # Negative control: without the option nothing is widened.
     calls.clear()
     off = Speculator(catch_up_on=False)

@@ -187,6 +187,13 @@ class AVCollector:
                 "Positions the draft model caught up after steps that skipped it",
                 value=snap["catch_up_tokens"],
             )
+        if "catch_up_holes_left" in snap:
+            yield CounterMetricFamily(
+                f"{PREFIX}drafter_catch_up_holes_left",
+                "Positions the draft model missed that no catch-up reached "
+                "(before the sequence's known start, or past the drafter's buffers)",
+                value=snap["catch_up_holes_left"],
+            )
         yield GaugeMetricFamily(
             f"{PREFIX}estimator_slope", "Shared slope of the acceptance estimator",
             value=snap["slope"],

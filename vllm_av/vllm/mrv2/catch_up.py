@@ -25,7 +25,12 @@ rejected). Reaching further back than needed rewrites positions whose KV
 is already right with the same tokens, which changes nothing. A window is
 capped at a lower bound of the request's first position, so it never
 reaches before the sequence, and the windows of one step at the room the
-drafter's input buffers have left; what a cap leaves out stays a hole.
+drafter's input buffers have left; what a cap leaves out stays a hole
+(counted in `dropped`). The bound is the scheduler's count of computed
+tokens less the drafts it may still hold that were rejected: at most the
+drafts of the last steps, so after a run of depth-0 steps it is exact and
+a window reaches back to the sequence's first position (a skipped prompt
+caught up whole, its first tokens included).
 
 Nothing here reads a drafted token: the windows come from the schedule
 (DESIGN 2.5).
@@ -45,15 +50,41 @@ from vllm_av.vllm.patching import VllmPatch
 logger = logging.getLogger("vllm.vllm_av")
 
 
+# How many of the latest drafting depths bound the rejected drafts the
+# scheduler's count may still hold: that count is read when a step is
+# scheduled, under async scheduling before the outputs of the one or two
+# steps before it are known, whose drafts were proposed one step earlier
+# still. Three covers both with one to spare.
+RECENT_DEPTHS = 3
+
+
 class CatchUpLedger:
     """Per request slot (vLLM's request-state index): how many positions
-    before its next query the draft model may have missed."""
+    before its next query the draft model may have missed; and the depths
+    the latest steps drafted, which bound how far the scheduler's count of
+    computed tokens may run ahead of a request's first query position."""
 
-    def __init__(self, max_num_reqs: int) -> None:
+    def __init__(self, max_num_reqs: int, K: int | None = None) -> None:
         self.behind = np.zeros(max_num_reqs, dtype=np.int64)
         self.owner: list[str | None] = [None] * max_num_reqs
         self.tokens_total = 0  # positions run again in windows, all steps
         self.dropped = 0  # positions a cap left as holes, all steps
+        # Unknown before the first steps: as if each had drafted K (None:
+        # nothing known at all, the caller's own bound holds).
+        self.recent: list[int | None] = [K] * RECENT_DEPTHS
+
+    def drafted(self, depth: int) -> None:
+        """This step proposed `depth` tokens per request (0: skipped)."""
+        self.recent = self.recent[1:] + [int(depth)]
+
+    def count_slack(self, K: int) -> int:
+        """How far the scheduler's count of computed tokens may be ahead of
+        a decoding request's first query position: the rejected drafts it
+        may still hold, at most two steps' of K (the bound before the
+        ledger knew the depths), and at most what the latest steps drafted."""
+        if any(d is None for d in self.recent):
+            return 2 * K
+        return min(2 * K, sum(self.recent))
 
     def _claim(self, req_ids, slots) -> None:
         # A slot handed to another request starts with nothing missed.
@@ -117,6 +148,12 @@ def positions_caught_up() -> int:
     """Positions run again in windows so far (for /metrics)."""
     ledger = _STATE["ledger"]
     return ledger.tokens_total if ledger is not None else 0
+
+
+def positions_left_as_holes() -> int:
+    """Positions missed that no window reached so far (for /metrics)."""
+    ledger = _STATE["ledger"]
+    return ledger.dropped if ledger is not None else 0
 
 
 def set_plan(plan: CatchUpPlan | None) -> None:
@@ -233,7 +270,7 @@ def plan_for(ledger: CatchUpLedger, input_batch, K: int, capacity: int):
     n = input_batch.num_reqs
     room = capacity - input_batch.num_tokens - n
     w = ledger.windows(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
-                       first_position_lower_bound(input_batch, K), room)
+                       first_position_lower_bound(input_batch, ledger.count_slack(K)), room)
     if not w.any():
         return input_batch, None
     plan = CatchUpPlan(w, np.array(input_batch.query_start_loc_np[: n + 1], copy=True))
@@ -253,15 +290,15 @@ def widened_batch(input_batch, windows: np.ndarray):
                                num_tokens=input_batch.num_tokens + int(windows.sum()))
 
 
-def first_position_lower_bound(input_batch, K: int) -> np.ndarray:
+def first_position_lower_bound(input_batch, slack: int) -> np.ndarray:
     """A lower bound of each request's first query position, on the host:
     the runner's count of computed tokens is the scheduler's, which may
-    still include drafts of the last two steps that were rejected (async
-    scheduling); prompt chunks' counts are exact."""
+    still include up to `slack` rejected drafts (async scheduling:
+    `CatchUpLedger.count_slack`); prompt chunks' counts are exact."""
     n = input_batch.num_reqs
     computed = np.asarray(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
     prefilling = np.asarray(input_batch.is_prefilling_np[:n], dtype=bool)
-    return np.where(prefilling, computed, computed - 2 * K)
+    return np.where(prefilling, computed, computed - slack)
 
 
 class MRV2CatchUpInputsPatch(VllmPatch):

@@ -101,7 +101,8 @@ def _depth_options(speculator) -> tuple[bool, bool, bool]:
 def _ledger(speculator) -> CatchUpLedger:
     ledger = getattr(speculator, "_vllm_av_catch_up", None)
     if ledger is None:
-        ledger = speculator._vllm_av_catch_up = CatchUpLedger(speculator.max_num_reqs)
+        ledger = speculator._vllm_av_catch_up = CatchUpLedger(
+            speculator.max_num_reqs, speculator.num_speculative_steps)
         bind_ledger(ledger)
     return ledger
 
@@ -117,9 +118,10 @@ def _drafting(speculator, orig, steps: int, catch_up: bool, input_batch,
     positions each request missed when catching up."""
     plan = None
     if catch_up:
-        input_batch, plan = plan_for(_ledger(speculator), input_batch,
-                                     speculator.num_speculative_steps,
+        ledger = _ledger(speculator)
+        input_batch, plan = plan_for(ledger, input_batch, speculator.num_speculative_steps,
                                      rows_capacity(speculator))
+        ledger.drafted(steps)
     set_plan(plan)
     try:
         _propose_steps(speculator, orig, steps, input_batch, *args, **kwargs)
@@ -209,8 +211,10 @@ class MRV2DraftDepthPatch(VllmPatch):
                 _propose_steps(self, orig, 1, input_batch, *args, **kwargs)
             elif catch_up:
                 # The drafter misses this step's positions until it next runs.
-                _ledger(self).skipped(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
-                                      _query_lens(input_batch))
+                ledger = _ledger(self)
+                ledger.skipped(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
+                               _query_lens(input_batch))
+                ledger.drafted(0)
             return self.draft_tokens[:n]
         _drafting(self, orig, depth, catch_up, input_batch, *args, **kwargs)
         _prior_for_undrafted(self, n, depth)

@@ -53,7 +53,8 @@ from vllm_av.core.verifier import record_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
-from vllm_av.vllm.mrv2.catch_up import bind_token_history, positions_caught_up
+from vllm_av.vllm.mrv2.catch_up import (bind_token_history, positions_caught_up,
+                                        positions_left_as_holes)
 
 logger = logging.getLogger("vllm.vllm_av")
 
@@ -617,7 +618,9 @@ class AVManager:
             return
         from vllm_av.vllm.metrics import write_snapshot
 
-        extra = {"catch_up_tokens": positions_caught_up()} if o.drafter_catch_up else None
+        extra = ({"catch_up_tokens": positions_caught_up(),
+                  "catch_up_holes_left": positions_left_as_holes()}
+                 if o.drafter_catch_up else None)
         # Served (interval > 1): the file is written beside the engine's thread.
         write_snapshot(o.metrics_dir, self._snapshot_view(), rank=self.rank, extra=extra,
                        background=o.metrics_interval > 1)
