@@ -222,12 +222,16 @@ class Batch:
     num_tokens: int
     num_computed_tokens_np: np.ndarray
     is_prefilling_np: np.ndarray
+    num_scheduled_tokens: np.ndarray
 
 
-def _batch(qlens, computed):
+def _batch(qlens, computed, scheduled=None):
+    """A V2 input batch of requests a, b; `scheduled`: their scheduled
+    tokens where the host's query lengths (dealt by a trimming budget)
+    differ from them."""
     qsl = np.concatenate(([0], np.cumsum(qlens)))
     return Batch(2, ["a", "b"], np.array([4, 1]), qsl, int(qsl[-1]), np.array(computed),
-                 np.array([False, False]))
+                 np.array([False, False]), np.array(scheduled or qlens))
 
 
 def test_depth_patch_widens_the_next_drafting_call_by_what_depth_0_steps_skipped():
@@ -283,3 +287,29 @@ def test_depth_patch_widens_the_next_drafting_call_by_what_depth_0_steps_skipped
     tight.propose(_batch([1, 9], [50, 9]), num_speculative_tokens=0)
     tight.propose(_batch([1, 1], [51, 18]), num_speculative_tokens=K)
     assert calls[-1][3].windows.tolist() == [1, 3] and calls[-1][1] == 2 + 4
+
+
+def test_a_trimmed_depth_0_step_enters_each_requests_scheduled_tokens():
+    """A depth-0 step can still verify the drafts of the step before, and a
+    trimming budget deals the host's query lengths round-robin: a drafted
+    3 and b nothing (4 and 1 scheduled), 2 admitted, dealt 1 each (host
+    lengths 2 and 2). The windows come from the scheduled 4 and 1, an
+    upper bound of what each request ran; the dealt lengths would leave a
+    short of the 3 drafts it may have verified."""
+    import torch
+
+    from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
+
+    class Speculator:
+        _orig_propose = staticmethod(lambda spec, batch, *a, **kw: None)
+        propose = MRV2DraftDepthPatch.propose
+
+        def __init__(self):
+            self.num_speculative_steps, self.max_num_reqs, self.max_num_tokens = 3, 8, 92
+            self.draft_tokens = torch.zeros(8, 3, dtype=torch.int64)
+            self.expanded_input_ids = torch.zeros(100, dtype=torch.int32)
+            self._vllm_av_depth_options = (True, False, True)
+
+    spec = Speculator()
+    spec.propose(_batch([2, 2], [50, 20], scheduled=[4, 1]), num_speculative_tokens=0)
+    assert spec._vllm_av_catch_up.behind[[4, 1]].tolist() == [4, 1]

@@ -108,8 +108,12 @@ def _ledger(speculator) -> CatchUpLedger:
 
 
 def _query_lens(input_batch) -> np.ndarray:
-    qsl = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
-    return np.diff(qsl)
+    """Each request's scheduled tokens: an upper bound of those it ran.
+    Not the host's query starts, which under our trimming deal the step's
+    budget round-robin (only their total is right), so a request that
+    verified more drafts than it was dealt would be caught up short."""
+    n = input_batch.num_reqs
+    return np.asarray(input_batch.num_scheduled_tokens[:n], dtype=np.int64)
 
 
 def _drafting(speculator, orig, steps: int, catch_up: bool, input_batch,
