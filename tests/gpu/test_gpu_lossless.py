@@ -213,7 +213,8 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
 # (MRV2ReplayBoundPatch); with it, holes and catch-up passed, and in the
 # twentieth keep_kv and the catch-up with an eager drafter. The two tests
 # after this one tell the parts apart. A 20-token prompt (LONG_PROMPT): a window
-# reaches back at most to the scheduler's count less 2K, so after the
+# reaches back at most to the scheduler's count less the latest steps'
+# drafts (up to 2K), so after the
 # 4-token prompt few positions are caught up. The uniform forms (option
 # uniform_decode_graphs) replay depth-0 steps in one-token FULL graphs
 # instead of the varlen graph; an option passes here before it is served by

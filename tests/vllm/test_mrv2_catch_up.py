@@ -26,7 +26,7 @@ from vllm_av.vllm.mrv2.catch_up import CatchUpLedger, row_shifts  # noqa: E402
 
 
 def test_ledger_windows_are_the_tokens_skipped_since_the_drafter_last_ran():
-    ledger = CatchUpLedger(8)
+    ledger = CatchUpLedger(8, K=4)
     ledger.skipped(["a", "b"], [3, 5], [1, 40])  # b: a prompt chunk at depth 0
     ledger.skipped(["a", "b"], [3, 5], [4, 1])  # a verified 3 drafts, then skipped
     w = ledger.windows(["a", "b", "c"], [3, 5, 6], [100, 100, 100], room=1000)
@@ -37,7 +37,7 @@ def test_ledger_windows_are_the_tokens_skipped_since_the_drafter_last_ran():
 
 
 def test_ledger_windows_never_reach_before_the_sequence_or_past_the_buffers():
-    ledger = CatchUpLedger(8)
+    ledger = CatchUpLedger(8, K=4)
     ledger.skipped(["a", "b", "c"], [0, 1, 2], [30, 30, 30])
     w = ledger.windows(["a", "b", "c"], [0, 1, 2], [10, 100, -4], room=35)
     # a: at most its first position (10); b: the room left (25); c: before
@@ -47,7 +47,7 @@ def test_ledger_windows_never_reach_before_the_sequence_or_past_the_buffers():
 
 
 def test_a_slot_handed_to_another_request_starts_with_nothing_missed():
-    ledger = CatchUpLedger(4)
+    ledger = CatchUpLedger(4, K=4)
     ledger.skipped(["old"], [2], [17])
     assert ledger.windows(["new"], [2], [50], 100).tolist() == [0]
     ledger.skipped(["new"], [2], [1])
@@ -61,31 +61,31 @@ def test_after_depth_0_steps_a_window_reaches_back_to_the_sequence_start():
     skipped prompt is caught up whole, its first positions included."""
     K = 4
     ledger = CatchUpLedger(8, K)
-    assert ledger.count_slack(K) == 2 * K  # nothing known yet: two steps of K
+    assert ledger.count_slack() == 2 * K  # nothing known yet: two steps of K
     ledger.skipped(["a"], [0], [20])  # the prompt, drafter skipped
     ledger.drafted(0)
     ledger.skipped(["a"], [0], [1])
     ledger.drafted(0)
-    assert ledger.count_slack(K) == K  # one step not yet known
+    assert ledger.count_slack() == K  # one step not yet known
     ledger.skipped(["a"], [0], [1])
     ledger.drafted(0)
-    assert ledger.count_slack(K) == 0
+    assert ledger.count_slack() == 0
     computed = 22  # exact: no draft was scheduled
-    w = ledger.windows(["a"], [0], [computed - ledger.count_slack(K)], room=100)
+    w = ledger.windows(["a"], [0], [computed - ledger.count_slack()], room=100)
     assert w.tolist() == [22] and ledger.dropped == 0
     # Negative control, the bound without the depths (two steps of K):
     # the first 2K positions, the prompt's first tokens, stay holes.
-    old = CatchUpLedger(8)
+    old = CatchUpLedger(8, K)
     old.skipped(["a"], [0], [22])
     assert old.windows(["a"], [0], [computed - 2 * K], room=100).tolist() == [14]
     assert old.dropped == 2 * K
     # Steps that drafted keep their drafts in the margin, capped at 2K.
     ledger.drafted(3)
     ledger.drafted(0)
-    assert ledger.count_slack(K) == 3
+    assert ledger.count_slack() == 3
     for _ in range(3):
         ledger.drafted(K)
-    assert ledger.count_slack(K) == 2 * K
+    assert ledger.count_slack() == 2 * K
 
 
 def test_rows_move_by_the_windows_and_correction_rows_before_them():

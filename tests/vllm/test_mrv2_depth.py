@@ -241,7 +241,7 @@ def test_with_catch_up_the_manager_reads_the_token_history_and_reports_the_posit
     m = _manager(["a"], draft_ms=50.0, tmp_path=tmp_path, drafter_catch_up=True,
                  req_states=states)
     assert catch_up._STATE["history"] is states.all_token_ids
-    ledger = catch_up.CatchUpLedger(R_MAX)
+    ledger = catch_up.CatchUpLedger(R_MAX, K)
     catch_up.bind_ledger(ledger)
     ledger.skipped(["a"], [0], [6])
     ledger.windows(["a"], [0], [100], room=100)

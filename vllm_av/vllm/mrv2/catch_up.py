@@ -64,27 +64,25 @@ class CatchUpLedger:
     the latest steps drafted, which bound how far the scheduler's count of
     computed tokens may run ahead of a request's first query position."""
 
-    def __init__(self, max_num_reqs: int, K: int | None = None) -> None:
+    def __init__(self, max_num_reqs: int, K: int) -> None:
+        self.K = K
         self.behind = np.zeros(max_num_reqs, dtype=np.int64)
         self.owner: list[str | None] = [None] * max_num_reqs
         self.tokens_total = 0  # positions run again in windows, all steps
         self.dropped = 0  # positions a cap left as holes, all steps
-        # Unknown before the first steps: as if each had drafted K (None:
-        # nothing known at all, the caller's own bound holds).
-        self.recent: list[int | None] = [K] * RECENT_DEPTHS
+        # Unknown before the first steps: as if each had drafted K.
+        self.recent = [K] * RECENT_DEPTHS
 
     def drafted(self, depth: int) -> None:
         """This step proposed `depth` tokens per request (0: skipped)."""
         self.recent = self.recent[1:] + [int(depth)]
 
-    def count_slack(self, K: int) -> int:
+    def count_slack(self) -> int:
         """How far the scheduler's count of computed tokens may be ahead of
         a decoding request's first query position: the rejected drafts it
         may still hold, at most two steps' of K (the bound before the
         ledger knew the depths), and at most what the latest steps drafted."""
-        if any(d is None for d in self.recent):
-            return 2 * K
-        return min(2 * K, sum(self.recent))
+        return min(2 * self.K, sum(self.recent))
 
     def _claim(self, req_ids, slots) -> None:
         # A slot handed to another request starts with nothing missed.
@@ -264,13 +262,13 @@ def rows_capacity(speculator) -> int:
     return min(int(speculator.expanded_input_ids.shape[0]), int(speculator.max_num_tokens))
 
 
-def plan_for(ledger: CatchUpLedger, input_batch, K: int, capacity: int):
+def plan_for(ledger: CatchUpLedger, input_batch, capacity: int):
     """This drafting step's windows: (the batch vLLM's first forward should
     see, the plan), or (the batch, None) when no request missed anything."""
     n = input_batch.num_reqs
     room = capacity - input_batch.num_tokens - n
     w = ledger.windows(input_batch.req_ids[:n], input_batch.idx_mapping_np[:n],
-                       first_position_lower_bound(input_batch, ledger.count_slack(K)), room)
+                       first_position_lower_bound(input_batch, ledger.count_slack()), room)
     if not w.any():
         return input_batch, None
     plan = CatchUpPlan(w, np.array(input_batch.query_start_loc_np[: n + 1], copy=True))

@@ -123,8 +123,7 @@ def _drafting(speculator, orig, steps: int, catch_up: bool, input_batch,
     plan = None
     if catch_up:
         ledger = _ledger(speculator)
-        input_batch, plan = plan_for(ledger, input_batch, speculator.num_speculative_steps,
-                                     rows_capacity(speculator))
+        input_batch, plan = plan_for(ledger, input_batch, rows_capacity(speculator))
         ledger.drafted(steps)
     set_plan(plan)
     try:
