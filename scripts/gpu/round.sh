@@ -203,6 +203,12 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
     cp "$RES/tests_gpu_lossless.log" "$RES/tests_gpu_lossless_first.log" 2>/dev/null
     LOSSLESS_TESTS=$LOSSLESS_AFTER lossless_test
   fi
+  # BREAKDOWN_AFTER: step breakdowns of these arms last (BREAKDOWN_CONC,
+  # default 64,256), each arm's engine alone on the GPU.
+  if [[ -n ${BREAKDOWN_AFTER:-} ]]; then
+    BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= \
+      BREAKDOWN_ARMS=$BREAKDOWN_AFTER breakdown 0
+  fi
   log "done"
   touch "$RES/DONE"
   exit 0
