@@ -59,7 +59,9 @@ DEFAULT_CONCURRENCY = [1, 16, 32, 64, 128, 256]
 # Options of our Model Runner V2 path, by arm-name suffix (ours_v2g_<...>):
 # _keepkv, depth 0 runs the drafter's first forward (no holes in its KV
 # cache); _cal, costs corrected from served step periods; _ugraphs,
-# uniform FULL graphs for depth-0 and depth-1 steps; _skipmeta, target
+# uniform FULL graphs for depth-0 and depth-1 steps (the default since the
+# twenty-first round; _varlen turns them off: every step replays the
+# varlen graph); _skipmeta, target
 # steps build the target layers' attention metadata only; _catchup, the
 # drafter's first forward after depth-0 steps runs over what they skipped;
 # _d0, _d1: every step drafts that depth (a measurement control: _d0 is
@@ -69,6 +71,7 @@ V2_OPTION_SUFFIXES = {
     "_keepkv": ("VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER", "0"),
     "_cal": ("VLLM_AV_STEP_PERIOD_CALIBRATION", "1"),
     "_ugraphs": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "1"),
+    "_varlen": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "0"),
     "_skipmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1"),
     "_catchup": ("VLLM_AV_DRAFTER_CATCH_UP", "1"),
     "_d0": ("VLLM_AV_TEST_FIXED_DEPTH", "0"),

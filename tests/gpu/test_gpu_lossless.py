@@ -216,14 +216,16 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
 # reaches back at most to the scheduler's count less the latest steps'
 # drafts (up to 2K), so after the
 # 4-token prompt few positions are caught up. The uniform forms (option
-# uniform_decode_graphs) replay depth-0 steps in one-token FULL graphs
-# instead of the varlen graph; an option passes here before it is served by
-# default.
+# uniform_decode_graphs, the default since they passed here in the
+# twenty-first round) replay depth-0 steps in one-token FULL graphs; the
+# others pin the varlen graph, as they ran before it was the default.
+VARLEN = {"VLLM_AV_UNIFORM_DECODE_GRAPHS": "0"}
 SKIPPED_DRAFTER_VARIANTS = {
-    "holes": {},
-    "catch_up": {"VLLM_AV_DRAFTER_CATCH_UP": "1"},
-    "catch_up_eager_drafter": {"VLLM_AV_DRAFTER_CATCH_UP": "1", "VLLM_AV_DRAFTER_GRAPHS": "0"},
-    "keep_kv": {"VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},
+    "holes": {**VARLEN},
+    "catch_up": {**VARLEN, "VLLM_AV_DRAFTER_CATCH_UP": "1"},
+    "catch_up_eager_drafter": {**VARLEN, "VLLM_AV_DRAFTER_CATCH_UP": "1",
+                               "VLLM_AV_DRAFTER_GRAPHS": "0"},
+    "keep_kv": {**VARLEN, "VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},
     "uniform_graphs_holes": {"VLLM_AV_UNIFORM_DECODE_GRAPHS": "1"},
     "uniform_graphs_catch_up": {"VLLM_AV_UNIFORM_DECODE_GRAPHS": "1",
                                 "VLLM_AV_DRAFTER_CATCH_UP": "1"},
