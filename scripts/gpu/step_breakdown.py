@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import os
 import re
@@ -39,6 +38,9 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from method_spec import resolve_method  # noqa: E402
 
 PHASES = {
     # Model Runner V2 (vllm/v1/worker/gpu/)
@@ -65,15 +67,10 @@ ACTIVE = {"on": False}
 def _wrap(phase: str, spec: str) -> bool:
     import torch
 
-    mod_name, attr = spec.split(":")
-    cls_name, meth = attr.split(".")
-    try:
-        cls = getattr(importlib.import_module(mod_name), cls_name)
-    except (ImportError, AttributeError):
+    found = resolve_method(spec)
+    if found is None:
         return False
-    orig = cls.__dict__.get(meth)
-    if orig is None:
-        return False
+    cls, meth, orig = found
 
     @functools.wraps(orig)
     def timed(*a, **k):

@@ -1,0 +1,171 @@
+"""vLLM's scheduler alone, with and without a speculative config, no model.
+
+Companion of benchmarks/scheduler_host_costs.py: there the scheduler's host
+time per step moves by tens of percent from one engine process to the next
+on this 2-core VM (code both arms run identically moves with it), which
+hides any difference between the arms. Here both arms live in one process
+and alternate: one in-process engine per arm (tiny pair of the tests, async
+scheduling, as the other script) only to get each arm's exact scheduler
+inputs (VllmConfig, KV cache config, structured-output manager, block
+sizes, block hasher; ours with its DepthFromVerifier installed by our
+plugin); then fresh schedulers of the engine's class are driven with
+--concurrency requests to --max-tokens by fake model outputs (one sampled
+token per request per step, a batch queue of two steps as
+EngineCore.step_with_batch_queue), with no model running anywhere, and
+`schedule`, `update_from_output`, `KVCacheManager.allocate_slots` and ours'
+depth lookup are timed with time.perf_counter.
+
+    python benchmarks/scheduler_host_costs_nomodel.py --out /tmp/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict, deque
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "vllm"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+ON = {"on": False}
+T: dict[str, float] = defaultdict(float)
+N: Counter = Counter()
+LOOKAHEAD: Counter = Counter()
+
+
+def wrap(cls, meth: str, name: str) -> None:
+    orig = cls.__dict__[meth]
+    perf = time.perf_counter
+
+    @functools.wraps(orig)
+    def timed(*a, **k):
+        if not ON["on"]:
+            return orig(*a, **k)
+        t0 = perf()
+        out = orig(*a, **k)
+        T[name] += perf() - t0
+        N[name] += 1
+        if name == "allocate_slots":
+            LOOKAHEAD[k.get("num_lookahead_tokens", 0)] += 1
+        return out
+
+    setattr(cls, meth, timed)
+
+
+def capture(llm) -> dict:
+    core = llm.llm_engine.engine_core.engine_core
+    s = core.scheduler
+    return {"cls": type(s), "hasher": core.request_block_hasher,
+            "kwargs": dict(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
+                           structured_output_manager=s.structured_output_manager,
+                           include_finished_set=s.finished_req_ids_dict is not None, log_stats=s.log_stats,
+                           block_size=s.block_size, hash_block_size=s.hash_block_size)}
+
+
+def drive(arm: dict, concurrency: int, max_tokens: int, tag: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = arm["cls"](**arm["kwargs"])
+    for i in range(concurrency):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sched.add_request(Request(
+            request_id=f"{tag}-{i}", prompt_token_ids=[3 + (i * 7 + j) % 50 for j in range(8)],
+            sampling_params=sp, pooling_params=None, block_hasher=arm["hasher"]))
+    T.clear(), N.clear(), LOOKAHEAD.clear()
+    depths: Counter = Counter()
+    spec_tokens = 0
+    queue: deque = deque()
+    ON["on"] = True
+    t0 = time.perf_counter()
+    while True:
+        if sched.has_requests():
+            so = sched.schedule()
+            depths[so.num_spec_tokens_to_schedule] += 1
+            spec_tokens += sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
+            queue.appendleft(so)
+            if len(queue) < 2:
+                continue
+        if not queue:
+            break
+        so = queue.pop()
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[5] for _ in ids])
+        sched.update_from_output(so, out)
+    wall = time.perf_counter() - t0
+    ON["on"] = False
+    steps = N["schedule"]
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "ms_per_step": {k: v * 1e3 / steps for k, v in T.items()},
+            "calls": dict(N), "alloc_us_per_call": T["allocate_slots"] * 1e6 / N["allocate_slots"],
+            "lookahead": dict(LOOKAHEAD), "num_spec_tokens_to_schedule": dict(depths),
+            "spec_tokens_scheduled": spec_tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=None)
+    opts = ap.parse_args()
+    os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
+    from conftest import make_llm
+    from test_adaptive_depth import prohibitive_drafting_table
+    from tiny_models import build_tiny_models
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    import vllm_av.vllm.mrv1.scheduled_depth as sd
+
+    wrap(Scheduler, "schedule", "schedule")
+    wrap(Scheduler, "update_from_output", "update_from_output")
+    wrap(KVCacheManager, "allocate_slots", "allocate_slots")
+    wrap(sd.DepthFromVerifier, "__getitem__", "av_depth_lookup")
+    tmp = Path(tempfile.mkdtemp(prefix="schedpure_"))
+    models = build_tiny_models(tmp / "models")
+    os.environ["VLLM_AV_COST_TABLE"] = prohibitive_drafting_table(tmp / "cost.json")
+    os.environ["VLLM_AV_CALIBRATE_COSTS"] = "0"
+    ours = {"method": "draft_model", "num_speculative_tokens": 7,
+            "enable_adaptive_verification": True}
+    cmax = max(int(c) for c in opts.concurrency.split(","))
+    arms = {}
+    for name, spec in (("plain", None), ("ours_depth0", ours)):
+        llm = make_llm(models, spec=spec, max_num_seqs=cmax, enforce_eager=True,
+                       async_scheduling=True)
+        arms[name] = capture(llm)
+        arms[name]["llm"] = llm  # kept alive (its verifier answers ours' depth lookup)
+    result = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "machine": f"{os.uname().machine}, {os.cpu_count()} cpus",
+              "scheduler_class": {k: a["cls"].__name__ for k, a in arms.items()},
+              "runs": []}
+    for c in [int(x) for x in opts.concurrency.split(",")]:
+        drive(arms["plain"], c, opts.max_tokens, "warm-p")
+        drive(arms["ours_depth0"], c, opts.max_tokens, "warm-o")
+        for rep in range(opts.repeats):
+            order = ("plain", "ours_depth0") if rep % 2 == 0 else ("ours_depth0", "plain")
+            for name in order:
+                r = drive(arms[name], c, opts.max_tokens, f"{name}-{c}-{rep}")
+                r.update(arm=name, concurrency=c, rep=rep)
+                result["runs"].append(r)
+                m = r["ms_per_step"]
+                print(f"[{name}] C={c} rep{rep}: schedule {m['schedule']:.3f} ufo "
+                      f"{m['update_from_output']:.3f} alloc {m['allocate_slots']:.3f} ms/step "
+                      f"({r['alloc_us_per_call']:.2f} us/call) lookup {m.get('av_depth_lookup', 0):.3f}"
+                      f" depths {r['num_spec_tokens_to_schedule']} spec {r['spec_tokens_scheduled']}",
+                      flush=True)
+        if opts.out:
+            opts.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
