@@ -192,6 +192,12 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # gives its quiet start-up cost table to the other ours arms; QUIET=ours
   # starts every ours server alone), then AV_TESTS (greedy), if set.
   export CUDA_VISIBLE_DEVICES=0
+  # BREAKDOWN_FIRST: step breakdowns of these arms before anything else
+  # (BREAKDOWN_CONC, default 64,256), each arm's engine alone on the GPU.
+  if [[ -n ${BREAKDOWN_FIRST:-} ]]; then
+    BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= \
+      BREAKDOWN_ARMS=$BREAKDOWN_FIRST breakdown 0
+  fi
   [[ -n ${LOSSLESS:-} ]] && lossless_test
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
