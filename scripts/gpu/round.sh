@@ -192,12 +192,14 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # gives its quiet start-up cost table to the other ours arms; QUIET=ours
   # starts every ours server alone), then AV_TESTS (greedy), if set.
   export CUDA_VISIBLE_DEVICES=0
-  # BREAKDOWN_FIRST: step breakdowns of these arms before anything else
-  # (BREAKDOWN_CONC, default 64,256), each arm's engine alone on the GPU.
-  if [[ -n ${BREAKDOWN_FIRST:-} ]]; then
-    BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= \
-      BREAKDOWN_ARMS=$BREAKDOWN_FIRST breakdown 0
-  fi
+  # BREAKDOWN_FIRST / BREAKDOWN_AFTER: step breakdowns of these arms
+  # before / after the rest (BREAKDOWN_CONC, default 64,256), each arm's
+  # engine alone on the GPU.
+  breakdowns_of() {
+    [[ -z $1 ]] && return 0
+    BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= BREAKDOWN_ARMS=$1 breakdown 0
+  }
+  breakdowns_of "${BREAKDOWN_FIRST:-}"
   [[ -n ${LOSSLESS:-} ]] && lossless_test
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
@@ -209,12 +211,7 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
     cp "$RES/tests_gpu_lossless.log" "$RES/tests_gpu_lossless_first.log" 2>/dev/null
     LOSSLESS_TESTS=$LOSSLESS_AFTER lossless_test
   fi
-  # BREAKDOWN_AFTER: step breakdowns of these arms last (BREAKDOWN_CONC,
-  # default 64,256), each arm's engine alone on the GPU.
-  if [[ -n ${BREAKDOWN_AFTER:-} ]]; then
-    BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= \
-      BREAKDOWN_ARMS=$BREAKDOWN_AFTER breakdown 0
-  fi
+  breakdowns_of "${BREAKDOWN_AFTER:-}"
   log "done"
   touch "$RES/DONE"
   exit 0
