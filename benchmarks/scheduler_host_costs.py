@@ -64,6 +64,29 @@ TIMED = {
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
 }
 
+# Our AV with a draft model at K=7; with the cost table of
+# `tiny_pair_at_depth0` every step runs at depth 0.
+OURS_DEPTH0 = {"method": "draft_model", "num_speculative_tokens": 7,
+               "enable_adaptive_verification": True}
+
+
+def prompt_ids(i: int) -> list[int]:
+    return [3 + (i * 7 + j) % 50 for j in range(8)]
+
+
+def tiny_pair_at_depth0(tmp: Path):
+    """The tests' tiny pair, and the arms: plain decoding and ours with a
+    cost table that makes drafting prohibitive (set in the environment,
+    with calibration off, so it stays so)."""
+    from test_adaptive_depth import prohibitive_drafting_table
+    from tiny_models import build_tiny_models
+
+    models = build_tiny_models(tmp / "models")
+    os.environ["VLLM_AV_COST_TABLE"] = prohibitive_drafting_table(tmp / "cost.json")
+    os.environ["VLLM_AV_CALIBRATE_COSTS"] = "0"
+    return models, {"plain": None, "ours_depth0": OURS_DEPTH0}
+
+
 STATE = {"on": False}
 CALLS: dict[str, list[float]] = defaultdict(list)  # ms per call
 STEP: dict[str, list[float]] = defaultdict(list)  # ms per step, per step index
@@ -195,8 +218,7 @@ def run_arm(models, spec, concurrency: int, max_tokens: int, repeats: int,
                    enforce_eager=os.environ.get("VLLM_AV_BENCH_EAGER", "1") == "1", **extra)
     groups = kv_groups(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 50 for j in range(8)]}
-               for i in range(concurrency)]
+    prompts = [{"prompt_token_ids": prompt_ids(i)} for i in range(concurrency)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
     reps = []
     for _ in range(repeats):
@@ -294,18 +316,9 @@ def main() -> int:
         return isolate(opts)
     if opts.async_scheduling:
         os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
-    from test_adaptive_depth import prohibitive_drafting_table
-    from tiny_models import build_tiny_models
-
     import vllm_av  # noqa: F401  (so our class can be wrapped before the engine exists)
     wrapped = {n: _wrap(n, s) for n, s in TIMED.items()}
-    tmp = Path(tempfile.mkdtemp(prefix="schedhost_"))
-    models = build_tiny_models(tmp / "models")
-    os.environ["VLLM_AV_COST_TABLE"] = prohibitive_drafting_table(tmp / "cost.json")
-    os.environ["VLLM_AV_CALIBRATE_COSTS"] = "0"
-    ours = {"method": "draft_model", "num_speculative_tokens": 7,
-            "enable_adaptive_verification": True}
-    arms = {"plain": None, "ours_depth0": ours}
+    models, arms = tiny_pair_at_depth0(Path(tempfile.mkdtemp(prefix="schedhost_")))
     result = {
         "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

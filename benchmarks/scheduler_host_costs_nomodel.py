@@ -31,8 +31,8 @@ from collections import Counter, defaultdict, deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "vllm"))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(REPO / "benchmarks"))
+from scheduler_host_costs import prompt_ids, tiny_pair_at_depth0  # noqa: E402  (sets the tests' path)
 
 ON = {"on": False}
 T: dict[str, float] = defaultdict(float)
@@ -78,7 +78,7 @@ def drive(arm: dict, concurrency: int, max_tokens: int, tag: str) -> dict:
     for i in range(concurrency):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         sched.add_request(Request(
-            request_id=f"{tag}-{i}", prompt_token_ids=[3 + (i * 7 + j) % 50 for j in range(8)],
+            request_id=f"{tag}-{i}", prompt_token_ids=prompt_ids(i),
             sampling_params=sp, pooling_params=None, block_hasher=arm["hasher"]))
     T.clear(), N.clear(), LOOKAHEAD.clear()
     depths: Counter = Counter()
@@ -120,8 +120,6 @@ def main() -> int:
     opts = ap.parse_args()
     os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
     from conftest import make_llm
-    from test_adaptive_depth import prohibitive_drafting_table
-    from tiny_models import build_tiny_models
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
     import vllm_av.vllm.mrv1.scheduled_depth as sd
@@ -130,15 +128,10 @@ def main() -> int:
     wrap(Scheduler, "update_from_output", "update_from_output")
     wrap(KVCacheManager, "allocate_slots", "allocate_slots")
     wrap(sd.DepthFromVerifier, "__getitem__", "av_depth_lookup")
-    tmp = Path(tempfile.mkdtemp(prefix="schedpure_"))
-    models = build_tiny_models(tmp / "models")
-    os.environ["VLLM_AV_COST_TABLE"] = prohibitive_drafting_table(tmp / "cost.json")
-    os.environ["VLLM_AV_CALIBRATE_COSTS"] = "0"
-    ours = {"method": "draft_model", "num_speculative_tokens": 7,
-            "enable_adaptive_verification": True}
+    models, specs = tiny_pair_at_depth0(Path(tempfile.mkdtemp(prefix="schedpure_")))
     cmax = max(int(c) for c in opts.concurrency.split(","))
     arms = {}
-    for name, spec in (("plain", None), ("ours_depth0", ours)):
+    for name, spec in specs.items():
         llm = make_llm(models, spec=spec, max_num_seqs=cmax, enforce_eager=True,
                        async_scheduling=True)
         arms[name] = capture(llm)
