@@ -60,6 +60,7 @@ if [[ "$MODE" == poll ]]; then
   t0=$(date +%s)
   while [[ ! -f $RES/DONE ]] && (( $(date +%s) - t0 < WAIT )); do sleep 10; done
   echo "== job.log (last 40 lines)"; tail -40 "$JOBLOG"
+  [[ -f $RES/side_by_side.log ]] && { echo "== side_by_side.log"; grep -a "^\[C=\|started in\|Error" "$RES/side_by_side.log" | cut -c1-220 | tail -12; }
   for f in "$RES"/h200_*.log; do [[ -f $f ]] && { echo "== $f"; grep -a "^\[sweep" "$f" | tail -25; }; done
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   [[ -f $RES/DONE ]] && echo "ROUND DONE"
@@ -154,6 +155,19 @@ breakdown() {  # breakdown <gpu>
   done
 }
 
+# Engines of several arms alive at once, batches alternated between them
+# (scripts/gpu/side_by_side.py): paired throughput ratios and each engine's
+# host time per step by phase. SIDE_BY_SIDE: the arms (ratios over the
+# first), SIDE_BY_SIDE_CONC: the concurrencies.
+side_by_side() {
+  [[ -z ${SIDE_BY_SIDE:-} ]] && return 0
+  log "side by side: $SIDE_BY_SIDE"
+  timeout 1200 python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
+    --concurrency "${SIDE_BY_SIDE_CONC:-1,16,32,64,128,256}" \
+    --out "$RES/side_by_side.json" > "$RES/side_by_side.log" 2>&1
+  log "side by side exit $?"; grep -a "^\[C=[0-9]*\] " "$RES/side_by_side.log" | tail -24
+}
+
 mrv2_smoke() {  # mrv2_smoke <gpu>
   export CUDA_VISIBLE_DEVICES=$1
   log "MRV2 smoke (ours)"
@@ -200,6 +214,7 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= BREAKDOWN_ARMS=$1 breakdown 0
   }
   breakdowns_of "${BREAKDOWN_FIRST:-}"
+  side_by_side
   [[ -n ${LOSSLESS:-} ]] && lossless_test
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \

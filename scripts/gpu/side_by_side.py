@@ -1,0 +1,304 @@
+"""Engines of several arms alive at once, batches alternated between them:
+throughput ratios and where each engine's step time goes, as served.
+
+    python3 scripts/gpu/side_by_side.py --arms nospec,ours_v2g_d0,ours_served \
+        --concurrency 64,256 --out side_by_side.json
+
+Each arm gets its own engine (benchmarks/sweep.py's arm of that name: its
+speculative config, environment and scheduling flags), built one after the
+other in this driver, each in its own engine-core process as `vllm serve`
+runs it (async scheduling where vLLM turns it on). The arms then take turns
+on the same GPU: for each concurrency and repeat, every arm (in an order
+rotated per repeat) generates the same C prompts to a fixed length
+(ignore_eos), while the other engines sit idle. So every ratio is paired,
+measured minutes apart at most, with no HTTP client in the way.
+
+Inside each engine-core process, `vllm.LLM.collective_rpc` installs
+time.perf_counter timers (no synchronisation) on the step's host phases:
+the scheduler's `schedule` and `update_from_output`, the runner's
+`execute_model` and `sample_tokens` (host time: launches, input
+preparation, bookkeeping), and the wait for the step's output (`get_output`:
+the copy event, the time the host waits for the GPU). Under async
+scheduling the host runs a step ahead of the GPU: when the wait is near
+zero the engine is host-bound and its step period is its host phases'
+sum; a gap between two arms' periods then shows in the phase that grew.
+Counts of the rejection sampler and the drafter's `propose` tell how many
+steps verified or drafted.
+
+The JSON holds, per concurrency, arm and repeat: wall time, output tokens,
+tokens/s, steps, and per phase calls and ms per step; and the paired
+ratios of each arm over the first (median over repeats, min-max).
+Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set here) for the timers'
+functions to reach the engine processes. With one GPU the worker lives in
+the engine-core process, beside the scheduler; where vLLM runs workers in
+processes of their own (the CPU backend), the scheduler's phases are not
+timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+# phase -> "module:Class.method" candidates (Model Runner V2, then V1 / CPU).
+PHASES = {
+    "schedule": ["vllm.v1.core.sched.scheduler:Scheduler.schedule"],
+    "update_from_output": ["vllm.v1.core.sched.scheduler:Scheduler.update_from_output"],
+    "execute_model": ["vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
+                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model"],
+    "sample_tokens": ["vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"],
+    "wait_output": ["vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output",
+                    "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output"],
+    # counts: steps that verified / drafted
+    "rejection": ["vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+                  "vllm.v1.sample.rejection_sampler:RejectionSampler.forward"],
+    "propose": ["vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:"
+                "StandaloneARSpeculator.propose",
+                "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"],
+}
+STEP_PHASE = "execute_model"
+
+
+def install_timers(worker, phases: dict) -> dict:
+    """(In the engine process.) Wrap every method of each phase that this
+    vLLM defines (the runner that is not in use never calls its own) with a
+    perf_counter timer; returns phase -> methods wrapped. The totals live
+    on the worker object, which outlives this call."""
+    import functools
+    import importlib
+    import time as _time
+
+    if getattr(worker, "_side_by_side", None) is not None:
+        return worker._side_by_side["wrapped"]
+    totals: dict = {}
+    state = {"totals": totals, "wrapped": {}}
+    for phase, specs in phases.items():
+        for spec in specs:
+            mod_name, attr = spec.split(":")
+            cls_name, meth = attr.split(".")
+            try:
+                cls = getattr(importlib.import_module(mod_name), cls_name)
+            except (ImportError, AttributeError):
+                continue
+            orig = cls.__dict__.get(meth)
+            if orig is None:
+                continue
+
+            def make(orig=orig, phase=phase):
+                @functools.wraps(orig)
+                def timed(*a, **k):
+                    t0 = _time.perf_counter()
+                    try:
+                        return orig(*a, **k)
+                    finally:
+                        slot = totals.setdefault(phase, [0, 0.0])
+                        slot[0] += 1
+                        slot[1] += (_time.perf_counter() - t0) * 1e3
+                return timed
+
+            setattr(cls, meth, make())
+            state["wrapped"].setdefault(phase, []).append(spec)
+    worker._side_by_side = state
+    return state["wrapped"]
+
+
+def take_totals(worker) -> dict:
+    """(In the engine process.) phase -> [calls, ms] since the last take."""
+    state = worker._side_by_side
+    out = {k: list(v) for k, v in state["totals"].items()}
+    state["totals"].clear()
+    return out
+
+
+def load_prompts(paths: list[str]) -> list[str]:
+    """The files' prompts taken in turn (one of each file, then the next),
+    so that every batch mixes them."""
+    sets = []
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        sets.append([r.get("prompt") or r["messages"][0]["content"] for r in rows])
+    texts = [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
+    if not texts:
+        raise SystemExit(f"no prompts in {paths}")
+    return texts
+
+
+def arm_settings(name: str, draft: str, device: str) -> tuple[dict | None, dict, dict]:
+    """(speculative config, environment, LLM keyword arguments) of the
+    sweep's arm `name`."""
+    import sweep
+
+    arm = sweep.make_arm(name, device=device)
+    kwargs = {}
+    if "--async-scheduling" in arm.args:
+        kwargs["async_scheduling"] = True
+    if "--no-async-scheduling" in arm.args:
+        kwargs["async_scheduling"] = False
+    return arm.speculative_config(draft), dict(arm.env), kwargs
+
+
+def load_plugin_on() -> None:
+    """Load our plugin in this driver with our AV selected, whatever the
+    environment says: vLLM builds each engine's config here, where our
+    config patch records the ours arms' options, before handing it to the
+    engine's process (whose own environment, the arm's, decides what runs
+    there). A config without the flag passes through it unchanged."""
+    impl = os.environ.pop("VLLM_AV_IMPL", None)
+    try:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    finally:
+        if impl is not None:
+            os.environ["VLLM_AV_IMPL"] = impl
+
+
+def build_engine(name: str, args, device: str):
+    from vllm import LLM
+
+    spec, env, kwargs = arm_settings(name, args.draft, device)
+    if env.get("VLLM_AV_IMPL") == "vllm":
+        raise SystemExit(f"{name}: vLLM's own AV cannot share this driver, whose "
+                         "plugin routes the flag to ours")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the engine process inherits it
+    try:
+        t0 = time.perf_counter()
+        # As the sweep's servers (scripts/gpu/round.sh): a fixed KV cache,
+        # so that the engines fit side by side.
+        extra = {"kv_cache_memory_bytes": args.kv_bytes}
+        if device == "gpu":
+            extra["gpu_memory_utilization"] = 0.12
+        llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=max(args.concurrency), seed=0, speculative_config=spec,
+                  generation_config="vllm", **extra, **kwargs)
+        start_s = time.perf_counter() - t0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    wrapped = llm.collective_rpc(install_timers, args=(PHASES,))[0]
+    print(f"[{name}] started in {start_s:.0f} s; timers on {wrapped}", flush=True)
+    return llm, {"env": env, "speculative_config": spec, "llm_kwargs": kwargs,
+                 "start_s": start_s, "wrapped": wrapped}
+
+
+def run_batch(llm, prompts, max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.collective_rpc(take_totals)  # drop what the warm-up or the last batch left
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    totals = llm.collective_rpc(take_totals)[0]
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = totals.get(STEP_PHASE, [0, 0.0])[0] or 1
+    return {"wall_s": wall, "output_tokens": ntok, "tok_s": ntok / wall, "steps": steps,
+            "ms_per_step": wall * 1e3 / steps,
+            "phases": {ph: {"calls": n, "ms_per_step": ms / steps}
+                       for ph, (n, ms) in totals.items()}}
+
+
+def summarise(runs: dict, arms: list[str]) -> dict:
+    """Per arm: median tokens/s, ms per step and phase ms per step over
+    repeats; the paired ratio of tokens/s over the first arm."""
+    base = arms[0]
+    out = {}
+    for arm in arms:
+        reps = runs[arm]
+        phases = sorted({p for r in reps for p in r["phases"]})
+        row = {"tok_s": statistics.median(r["tok_s"] for r in reps),
+               "ms_per_step": statistics.median(r["ms_per_step"] for r in reps),
+               "phases_ms_per_step": {p: statistics.median(
+                   r["phases"].get(p, {}).get("ms_per_step", 0.0) for r in reps)
+                   for p in phases},
+               "phase_calls": {p: statistics.median(
+                   r["phases"].get(p, {}).get("calls", 0) for r in reps) for p in phases}}
+        if arm != base:
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(reps, runs[base])]
+            row[f"tok_s_over_{base}"] = {"median": statistics.median(ratios),
+                                         "min": min(ratios), "max": max(ratios)}
+        out[arm] = row
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default="nospec,ours_v2g_d0,ours_served",
+                   help="sweep arm names; ratios are over the first")
+    p.add_argument("--concurrency", default="64,256")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", default=".gpu/prompts/mtbench.jsonl,.gpu/prompts/humaneval.jsonl")
+    p.add_argument("--target", default=os.environ.get("TARGET_MODEL", ""))
+    p.add_argument("--draft", default=os.environ.get("DRAFT_MODEL", ""))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-bytes", type=int, default=0,
+                   help="KV cache per engine (default 6 GiB on a GPU, as the sweep's "
+                        "servers, 256 MiB on the CPU)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if not args.target or not args.draft:
+        raise SystemExit("--target and --draft (or TARGET_MODEL and DRAFT_MODEL) are needed")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+    import torch
+
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    arms = args.arms.split(",")
+    args.kv_bytes = args.kv_bytes or ((6 << 30) if device == "gpu" else (256 << 20))
+    texts = load_prompts(args.prompts.split(","))
+    load_plugin_on()
+    engines, info = {}, {}
+    for name in arms:
+        engines[name], info[name] = build_engine(name, args, device)
+
+    result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "machine": {"device": torch.cuda.get_device_name(0) if device == "gpu" else
+                          platform.processor() or platform.machine(),
+                          "cpus": os.cpu_count()},
+              "arms": info, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "by_concurrency": {}}
+    for c in args.concurrency:
+        prompts = [texts[i % len(texts)] for i in range(c)]
+        for name in arms:  # warm-up: the batch shapes of this concurrency
+            run_batch(engines[name], prompts, min(32, args.max_tokens))
+        runs = {name: [] for name in arms}
+        for r in range(args.repeats):
+            order = arms[r % len(arms):] + arms[:r % len(arms)]
+            for name in order:
+                run = run_batch(engines[name], prompts, args.max_tokens)
+                run["repeat"], run["position"] = r, order.index(name)
+                runs[name].append(run)
+                ph = run["phases"]
+                print(f"[C={c} r={r}] {name}: {run['tok_s']:,.0f} tok/s, "
+                      f"{run['ms_per_step']:.2f} ms/step; "
+                      + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items())),
+                      flush=True)
+        summary = summarise(runs, arms)
+        result["by_concurrency"][str(c)] = {"runs": runs, "summary": summary}
+        for name in arms[1:]:
+            s = summary[name][f"tok_s_over_{arms[0]}"]
+            print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
+                  f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
+        with open(args.out, "w") as f:  # after each concurrency: a cut-off run keeps its part
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
