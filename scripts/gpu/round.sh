@@ -43,16 +43,19 @@ pack() {  # a compacted copy: uncompacted sweep results outgrow what a call brin
 }
 
 case "$MODE" in
-  start|focus|full)
+  start|focus|full|side)
     mkdir -p "$RES"
     # The device tool refreshes the checkout between calls: run a copy.
-    cp "$0" /tmp/round_job.sh
-    JOB_KIND=$MODE setsid nohup bash /tmp/round_job.sh job "$ROOT" > "$JOBLOG" 2>&1 < /dev/null &
+    cp "$0" /tmp/round_job_$MODE.sh
+    # `side` comes after a round on the same machine: its log goes on.
+    [[ $MODE == side ]] && { rm -f "$RES/DONE"; echo "[side] $(date -u +%T)" >> "$JOBLOG"; } \
+      || : > "$JOBLOG"
+    JOB_KIND=$MODE setsid nohup bash /tmp/round_job_$MODE.sh job "$ROOT" >> "$JOBLOG" 2>&1 < /dev/null &
     sleep 5
     cat "$JOBLOG"
     exit 0 ;;
   poll|job) ;;
-  *) echo "usage: round.sh start | focus | full | poll [seconds]" >&2; exit 2 ;;
+  *) echo "usage: round.sh start | focus | full | side | poll [seconds]" >&2; exit 2 ;;
 esac
 
 if [[ "$MODE" == poll ]]; then
@@ -162,8 +165,10 @@ breakdown() {  # breakdown <gpu>
 side_by_side() {
   [[ -z ${SIDE_BY_SIDE:-} ]] && return 0
   log "side by side: $SIDE_BY_SIDE"
-  timeout 1200 python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
-    --concurrency "${SIDE_BY_SIDE_CONC:-1,16,32,64,128,256}" \
+  # SIDE_BY_SIDE_TABLE: a cost table for the ours arms (no start-up profile).
+  env ${SIDE_BY_SIDE_TABLE:+VLLM_AV_COST_TABLE=$SIDE_BY_SIDE_TABLE} \
+    timeout 1200 python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
+    --concurrency "${SIDE_BY_SIDE_CONC:-1,16,32,64,128,256}" --repeats "${SIDE_BY_SIDE_REPEATS:-5}" \
     --out "$RES/side_by_side.json" > "$RES/side_by_side.log" 2>&1
   log "side by side exit $?"; grep -a "^\[C=[0-9]*\] " "$RES/side_by_side.log" | tail -24
 }
@@ -197,6 +202,14 @@ more_arms() {
   RUN=h200_sweep_b sweep "${ARMS2:-k1,k5,k7,ngram_k7}" --quiet-start none
 }
 
+if [[ "${JOB_KIND:-start}" == side ]]; then
+  # The side-by-side run alone (SIDE_BY_SIDE and its options), on GPU 0.
+  export CUDA_VISIBLE_DEVICES=0
+  side_by_side
+  log "done"
+  touch "$RES/DONE"
+  exit 0
+fi
 if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # The short round on one GPU, one thing at a time, correctness first:
   # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then the sweep of

@@ -256,6 +256,9 @@ def main() -> None:
     if not args.target or not args.draft:
         raise SystemExit("--target and --draft (or TARGET_MODEL and DRAFT_MODEL) are needed")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # This driver touches CUDA (the device check, our plugin's imports), so
+    # the engine processes must be spawned, not forked.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
     import torch
 

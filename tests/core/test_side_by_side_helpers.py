@@ -1,0 +1,81 @@
+"""The side-by-side engine script's parts that need no engine
+(scripts/gpu/side_by_side.py): the phase timers sent to each engine
+process, the paired ratios, and the prompt mix."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+
+import side_by_side  # noqa: E402
+
+
+def _fake_runner_module(name: str):
+    class Runner:
+        def execute_model(self, ms):
+            time.sleep(ms / 1e3)
+            return "out"
+
+        def unused(self):
+            return None
+
+    module = types.ModuleType(name)
+    module.Runner = Runner
+    sys.modules[name] = module
+    return Runner
+
+
+def test_timers_count_every_call_of_the_methods_that_exist_and_skip_the_rest():
+    runner_cls = _fake_runner_module("fake_runner_for_side_by_side")
+    phases = {"execute_model": ["fake_runner_for_side_by_side:Runner.execute_model",
+                                "no_such_module_anywhere:Runner.execute_model"],
+              "absent": ["fake_runner_for_side_by_side:Runner.no_such_method"]}
+    worker = SimpleNamespace()
+    wrapped = side_by_side.install_timers(worker, phases)
+    assert wrapped == {"execute_model": ["fake_runner_for_side_by_side:Runner.execute_model"]}
+    # Installing again wraps nothing twice (a wrapper around a wrapper would
+    # count each call twice).
+    assert side_by_side.install_timers(worker, phases) == wrapped
+    runner = runner_cls()
+    assert runner.execute_model(5) == "out"
+    runner.execute_model(5)
+    calls, ms = side_by_side.take_totals(worker)["execute_model"]
+    assert calls == 2 and 9.0 <= ms < 200.0
+    # Taking empties the totals for the next batch.
+    assert side_by_side.take_totals(worker) == {}
+
+
+def _run(tok_s: float, steps: int = 100, **phase_ms) -> dict:
+    return {"tok_s": tok_s, "ms_per_step": 1e3 / tok_s, "steps": steps,
+            "phases": {p: {"calls": steps, "ms_per_step": v} for p, v in phase_ms.items()}}
+
+
+def test_ratios_are_paired_per_repeat_over_the_first_arm():
+    # The machine slows down over the repeats: each repeat's ratio is 0.9,
+    # while the ratio of the medians would not be.
+    runs = {"plain": [_run(1000), _run(500), _run(250)],
+            "ours": [_run(900), _run(450), _run(225)]}
+    s = side_by_side.summarise(runs, ["plain", "ours"])
+    r = s["ours"]["tok_s_over_plain"]
+    assert abs(r["median"] - 0.9) < 1e-9 and abs(r["min"] - 0.9) < 1e-9
+    assert "tok_s_over_plain" not in s["plain"]
+
+
+def test_phase_medians_treat_a_phase_missing_from_a_repeat_as_zero():
+    runs = {"a": [_run(100, schedule=1.0, rejection=0.5), _run(100, schedule=3.0),
+                  _run(100, schedule=2.0)]}
+    s = side_by_side.summarise(runs, ["a"])["a"]
+    assert s["phases_ms_per_step"] == {"rejection": 0.0, "schedule": 2.0}
+
+
+def test_prompts_alternate_between_files(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(3)))
+    b.write_text(json.dumps({"messages": [{"role": "user", "content": "b0"}]}) + "\n")
+    assert side_by_side.load_prompts([str(a), str(b)]) == ["a0", "b0", "a1", "a2"]
