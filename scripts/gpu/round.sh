@@ -7,6 +7,7 @@
 #   bash scripts/gpu/round.sh focus       # the short round, detached (see `focus` below)
 #   GREEDY=1 bash scripts/gpu/round.sh focus  # ... with a greedy pass after each temperature pass
 #   bash scripts/gpu/round.sh full        # every arm of the sweep, in two parts (see `full` below)
+#   SIDE_BY_SIDE=a,b bash scripts/gpu/round.sh side  # after a round: scripts/gpu/side_by_side.py alone
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -47,9 +48,12 @@ case "$MODE" in
     mkdir -p "$RES"
     # The device tool refreshes the checkout between calls: run a copy.
     cp "$0" /tmp/round_job_$MODE.sh
-    # `side` comes after a round on the same machine: its log goes on.
-    [[ $MODE == side ]] && { rm -f "$RES/DONE"; echo "[side] $(date -u +%T)" >> "$JOBLOG"; } \
-      || : > "$JOBLOG"
+    if [[ $MODE == side ]]; then
+      # After a round's DONE on the same machine: its log goes on.
+      rm -f "$RES/DONE"; echo "[side] $(date -u +%T)" >> "$JOBLOG"
+    else
+      : > "$JOBLOG"
+    fi
     JOB_KIND=$MODE setsid nohup bash /tmp/round_job_$MODE.sh job "$ROOT" >> "$JOBLOG" 2>&1 < /dev/null &
     sleep 5
     cat "$JOBLOG"
