@@ -165,7 +165,8 @@ breakdown() {  # breakdown <gpu>
 # Engines of several arms alive at once, batches alternated between them
 # (scripts/gpu/side_by_side.py): paired throughput ratios and each engine's
 # host time per step by phase. SIDE_BY_SIDE: the arms (ratios over the
-# first), SIDE_BY_SIDE_CONC: the concurrencies.
+# first), SIDE_BY_SIDE_CONC: the concurrencies, SIDE_BY_SIDE_ARGS: more
+# arguments (--gpu-spans: each step's GPU span from CUDA events).
 side_by_side() {
   [[ -z ${SIDE_BY_SIDE:-} ]] && return 0
   log "side by side: $SIDE_BY_SIDE"
@@ -173,7 +174,7 @@ side_by_side() {
   env ${SIDE_BY_SIDE_TABLE:+VLLM_AV_COST_TABLE=$SIDE_BY_SIDE_TABLE} \
     timeout 1200 python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
     --concurrency "${SIDE_BY_SIDE_CONC:-1,16,32,64,128,256}" --repeats "${SIDE_BY_SIDE_REPEATS:-5}" \
-    --out "$RES/side_by_side.json" > "$RES/side_by_side.log" 2>&1
+    ${SIDE_BY_SIDE_ARGS:-} --out "$RES/side_by_side.json" > "$RES/side_by_side.log" 2>&1
   log "side by side exit $?"; grep -a "^\[C=[0-9]*\] " "$RES/side_by_side.log" | tail -24
 }
 

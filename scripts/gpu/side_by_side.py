@@ -23,7 +23,10 @@ scheduling the host runs a step ahead of the GPU: when the wait is near
 zero the engine is host-bound and its step period is its host phases'
 sum; a gap between two arms' periods then shows in the phase that grew.
 Counts of the rejection sampler and the drafter's `propose` tell how many
-steps verified or drafted.
+steps verified or drafted. With `--gpu-spans`, CUDA events time each
+step's GPU span as well (SPAN below): the step period less the span is
+the time the GPU idles, which a step could fill with drafts at no cost to
+its period.
 
 The JSON holds, per concurrency, arm and repeat: wall time, output tokens,
 tokens/s, steps, and per phase calls and ms per step; and the paired
@@ -59,6 +62,11 @@ PHASES = {
                       "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"],
     "wait_output": ["vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output",
                     "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output"],
+    # Model Runner V2's launch of a step's forward (a FULL graph replay, or
+    # the piecewise graphs); the drafter's own replays inside
+    # `sample_tokens` count here too when they go through these classes.
+    "forward_launch": ["vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.run_fullgraph",
+                       "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_pw_graph"],
     # counts: steps that verified / drafted
     "rejection": ["vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
                   "vllm.v1.sample.rejection_sampler:RejectionSampler.forward"],
@@ -67,13 +75,33 @@ PHASES = {
                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"],
 }
 STEP_PHASE = "execute_model"
+# With --gpu-spans: a step's GPU span runs from its forward's launch (an
+# event recorded before the first `forward_launch` of the step) to the end
+# of its `sample_tokens` work (an event recorded after it): what the GPU
+# spends on the step from the forward on, gaps inside the step included
+# (input preparation before the forward is left out). The step period
+# less the span is GPU time idle, waiting for the host.
+SPAN = ("forward_launch", "sample_tokens")
 
 
-def install_timers(worker, phases: dict) -> dict:
+def cuda_events():
+    """(In the engine process.) A timing event factory and the synchronise
+    that makes their times readable, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return (lambda: torch.cuda.Event(enable_timing=True)), torch.cuda.synchronize
+
+
+def install_timers(worker, phases: dict, span: tuple | None = None, events=None) -> dict:
     """(In the engine process.) Wrap every method of each phase that this
     vLLM defines (the runner that is not in use never calls its own) with a
     perf_counter timer; returns phase -> methods wrapped. The totals live
-    on the worker object, which outlives this call."""
+    on the worker object, which outlives this call. With `span` (the phases
+    that open and close a step's GPU span, see SPAN), events from `events`
+    (default: CUDA's, `cuda_events`; none without CUDA) are recorded at
+    the first opening call of a step and after its closing call."""
     import functools
     import importlib
     import time as _time
@@ -81,7 +109,13 @@ def install_timers(worker, phases: dict) -> dict:
     if getattr(worker, "_side_by_side", None) is not None:
         return worker._side_by_side["wrapped"]
     totals: dict = {}
-    state = {"totals": totals, "wrapped": {}}
+    state = {"totals": totals, "wrapped": {}, "span": None}
+    if span is not None:
+        events = events or cuda_events()
+        if events is not None:
+            state["span"] = {"open": span[0], "close": span[1], "new": events[0],
+                             "sync": events[1], "pending": None, "pairs": []}
+    sp = state["span"]
     for phase, specs in phases.items():
         for spec in specs:
             mod_name, attr = spec.split(":")
@@ -95,8 +129,14 @@ def install_timers(worker, phases: dict) -> dict:
                 continue
 
             def make(orig=orig, phase=phase):
+                opens = sp is not None and phase == sp["open"]
+                closes = sp is not None and phase == sp["close"]
+
                 @functools.wraps(orig)
                 def timed(*a, **k):
+                    if opens and sp["pending"] is None:
+                        sp["pending"] = sp["new"]()
+                        sp["pending"].record()
                     t0 = _time.perf_counter()
                     try:
                         return orig(*a, **k)
@@ -104,6 +144,11 @@ def install_timers(worker, phases: dict) -> dict:
                         slot = totals.setdefault(phase, [0, 0.0])
                         slot[0] += 1
                         slot[1] += (_time.perf_counter() - t0) * 1e3
+                        if closes and sp["pending"] is not None:
+                            end = sp["new"]()
+                            end.record()
+                            sp["pairs"].append((sp["pending"], end))
+                            sp["pending"] = None
                 return timed
 
             setattr(cls, meth, make())
@@ -113,10 +158,17 @@ def install_timers(worker, phases: dict) -> dict:
 
 
 def take_totals(worker) -> dict:
-    """(In the engine process.) phase -> [calls, ms] since the last take."""
+    """(In the engine process.) phase -> [calls, ms] since the last take;
+    with spans, "gpu_span" -> [steps, ms of GPU span]."""
     state = worker._side_by_side
     out = {k: list(v) for k, v in state["totals"].items()}
     state["totals"].clear()
+    sp = state["span"]
+    if sp is not None and sp["pairs"]:
+        sp["sync"]()
+        out["gpu_span"] = [len(sp["pairs"]),
+                           sum(a.elapsed_time(b) for a, b in sp["pairs"])]
+        sp["pairs"].clear()
     return out
 
 
@@ -189,7 +241,8 @@ def build_engine(name: str, args, device: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    wrapped = llm.collective_rpc(install_timers, args=(PHASES,))[0]
+    wrapped = llm.collective_rpc(install_timers,
+                                 args=(PHASES, SPAN if args.gpu_spans else None))[0]
     print(f"[{name}] started in {start_s:.0f} s; timers on {wrapped}", flush=True)
     return llm, {"env": env, "speculative_config": spec, "llm_kwargs": kwargs,
                  "start_s": start_s, "wrapped": wrapped}
@@ -250,6 +303,8 @@ def main() -> None:
     p.add_argument("--kv-bytes", type=int, default=0,
                    help="KV cache per engine (default 6 GiB on a GPU, as the sweep's "
                         "servers, 256 MiB on the CPU)")
+    p.add_argument("--gpu-spans", action="store_true",
+                   help="also time each step's GPU span with CUDA events (see SPAN)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

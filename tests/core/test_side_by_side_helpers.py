@@ -79,3 +79,46 @@ def test_prompts_alternate_between_files(tmp_path):
     a.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(3)))
     b.write_text(json.dumps({"messages": [{"role": "user", "content": "b0"}]}) + "\n")
     assert side_by_side.load_prompts([str(a), str(b)]) == ["a0", "b0", "a1", "a2"]
+
+
+class _HostEvent:
+    """A stand-in for a CUDA timing event: the host time of its record."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_a_step_span_opens_at_its_first_launch_and_closes_after_its_sampling():
+    class Step:
+        def launch(self):
+            return None
+
+        def sample(self, ms):
+            time.sleep(ms / 1e3)
+
+    module = types.ModuleType("fake_step_for_side_by_side")
+    module.Step = Step
+    sys.modules[module.__name__] = module
+    phases = {"launch": ["fake_step_for_side_by_side:Step.launch"],
+              "sample": ["fake_step_for_side_by_side:Step.sample"]}
+    worker = SimpleNamespace()
+    side_by_side.install_timers(worker, phases, span=("launch", "sample"),
+                                events=(_HostEvent, lambda: None))
+    step = Step()
+    step.sample(1)  # no launch before it: no span
+    step.launch()
+    time.sleep(0.02)
+    step.launch()  # a second launch in the same step (a drafter's) does not reopen it
+    step.sample(5)
+    steps, ms = side_by_side.take_totals(worker)["gpu_span"]
+    assert steps == 1 and 25.0 <= ms < 500.0
+    # Without events (no CUDA) the timers still run and no span is kept.
+    other = SimpleNamespace()
+    import torch
+
+    if not torch.cuda.is_available():
+        side_by_side.install_timers(other, {}, span=("launch", "sample"))
+        assert other._side_by_side["span"] is None
