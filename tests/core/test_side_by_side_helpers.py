@@ -57,13 +57,16 @@ def _run(tok_s: float, steps: int = 100, **phase_ms) -> dict:
 
 
 def test_ratios_are_paired_per_repeat_over_the_first_arm():
-    # The machine slows down over the repeats: each repeat's ratio is 0.9,
-    # while the ratio of the medians would not be.
-    runs = {"plain": [_run(1000), _run(500), _run(250)],
-            "ours": [_run(900), _run(450), _run(225)]}
+    # Each repeat's ratio is taken against the same repeat of the first arm:
+    # 1.9, 1.5, 1/3, median 1.5. The ratio of the two arms' medians (a
+    # broken, unpaired summary) would read 190 / 200 = 0.95.
+    runs = {"plain": [_run(100), _run(200), _run(300)],
+            "ours": [_run(190), _run(300), _run(100)]}
     s = side_by_side.summarise(runs, ["plain", "ours"])
     r = s["ours"]["tok_s_over_plain"]
-    assert abs(r["median"] - 0.9) < 1e-9 and abs(r["min"] - 0.9) < 1e-9
+    assert abs(r["median"] - 1.5) < 1e-9
+    assert abs(r["min"] - 1 / 3) < 1e-9 and abs(r["max"] - 1.9) < 1e-9
+    assert abs(s["ours"]["tok_s"] / s["plain"]["tok_s"] - 0.95) < 1e-9  # the unpaired reading
     assert "tok_s_over_plain" not in s["plain"]
 
 
