@@ -103,8 +103,13 @@ def install_timers(worker, phases: dict, span: tuple | None = None, events=None)
     (default: CUDA's, `cuda_events`; none without CUDA) are recorded at
     the first opening call of a step and after its closing call."""
     import functools
-    import importlib
     import time as _time
+
+    # This function reaches the engine process by value; the benchmarks'
+    # method lookup is imported there, from this checkout.
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    from method_spec import resolve_method
 
     if getattr(worker, "_side_by_side", None) is not None:
         return worker._side_by_side["wrapped"]
@@ -118,15 +123,10 @@ def install_timers(worker, phases: dict, span: tuple | None = None, events=None)
     sp = state["span"]
     for phase, specs in phases.items():
         for spec in specs:
-            mod_name, attr = spec.split(":")
-            cls_name, meth = attr.split(".")
-            try:
-                cls = getattr(importlib.import_module(mod_name), cls_name)
-            except (ImportError, AttributeError):
+            found = resolve_method(spec)
+            if found is None:
                 continue
-            orig = cls.__dict__.get(meth)
-            if orig is None:
-                continue
+            cls, meth, orig = found
 
             def make(orig=orig, phase=phase):
                 opens = sp is not None and phase == sp["open"]
