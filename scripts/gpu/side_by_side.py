@@ -172,6 +172,74 @@ def take_totals(worker) -> dict:
     return out
 
 
+def start_cprofile(worker) -> None:
+    """(In the engine process.) Profile the thread that runs the steps (the
+    one this call reaches: with one GPU, the engine core's, which runs the
+    scheduler and the worker both)."""
+    import cProfile
+
+    worker._side_by_side_cprofile = prof = cProfile.Profile()
+    prof.enable()
+
+
+def stop_cprofile(worker, path: str) -> str:
+    """(In the engine process.) Stop the profile and write its stats."""
+    prof = worker._side_by_side_cprofile
+    prof.disable()
+    prof.dump_stats(path)
+    return path
+
+
+def cprofile_rows(path: str, steps: int, top: int = 80) -> dict:
+    """function -> [calls, tottime ms, cumtime ms] per step, for the `top`
+    functions by own time in a profile of `steps` steps."""
+    import pstats
+
+    stats = pstats.Stats(path).stats
+    rows = {}
+    for (file, line, name), (_, calls, tt, ct, _callers) in stats.items():
+        key = f"{file.split('site-packages/')[-1].replace(str(REPO) + '/', '')}:{line} {name}"
+        rows[key] = [calls / steps, tt * 1e3 / steps, ct * 1e3 / steps]
+    best = sorted(rows, key=lambda k: -rows[k][1])[:top]
+    return {k: rows[k] for k in best}
+
+
+def cprofile_diff(base: dict, other: dict, top: int = 40) -> list:
+    """The functions whose own time per step differs most between two
+    `cprofile_rows` (other less base, ms), largest first."""
+    keys = set(base) | set(other)
+    zero = [0.0, 0.0, 0.0]
+    diff = [(k, other.get(k, zero)[1] - base.get(k, zero)[1]) for k in keys]
+    diff.sort(key=lambda kv: -abs(kv[1]))
+    return [{"function": k, "tottime_ms_per_step_delta": d,
+             "base": base.get(k, zero), "other": other.get(k, zero)} for k, d in diff[:top]]
+
+
+def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path) -> dict:
+    """One more batch per arm under cProfile (the engine's stepping thread):
+    own time per function per step, and each arm's difference from the
+    first arm's."""
+    rows = {}
+    for name in arms:
+        llm = engines[name]
+        llm.collective_rpc(start_cprofile)
+        run = run_batch(llm, prompts, args.max_tokens)
+        path = str(out_dir / f"cprofile_{name}_c{len(prompts)}.pstats")
+        llm.collective_rpc(stop_cprofile, args=(path,))
+        rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"],
+                      "functions": cprofile_rows(path, run["steps"])}
+        print(f"[cprofile C={len(prompts)}] {name}: {run['steps']} steps, "
+              f"{run['ms_per_step']:.2f} ms/step under the profiler; stats in {path}",
+              flush=True)
+    for name in arms[1:]:
+        rows[name][f"diff_over_{arms[0]}"] = d = cprofile_diff(
+            rows[arms[0]]["functions"], rows[name]["functions"])
+        print(f"[cprofile C={len(prompts)}] {name} less {arms[0]}, own ms per step:", flush=True)
+        for r in d[:25]:
+            print(f"    {r['tottime_ms_per_step_delta']:+.4f}  {r['function']}", flush=True)
+    return rows
+
+
 def load_prompts(paths: list[str]) -> list[str]:
     """The files' prompts taken in turn (one of each file, then the next),
     so that every batch mixes them."""
@@ -215,6 +283,18 @@ def load_plugin_on() -> None:
             os.environ["VLLM_AV_IMPL"] = impl
 
 
+def eager_refusal(arm_specs: dict) -> str | None:
+    """Why `--enforce-eager` cannot serve these arms (name -> speculative
+    config), or None: vLLM 0.32 refuses adaptive verification on Model
+    Runner V2 without full CUDA graphs, when the engine's config is built,
+    after the arms before it have spent their start-ups."""
+    av = [n for n, spec in arm_specs.items() if (spec or {}).get("enable_adaptive_verification")]
+    if not av:
+        return None
+    return (f"--enforce-eager: {', '.join(av)} turn on adaptive verification, which vLLM "
+            "0.32 refuses without full CUDA graphs; drop --enforce-eager or those arms")
+
+
 def build_engine(name: str, args, device: str):
     from vllm import LLM
 
@@ -231,6 +311,8 @@ def build_engine(name: str, args, device: str):
         extra = {"kv_cache_memory_bytes": args.kv_bytes}
         if device == "gpu":
             extra["gpu_memory_utilization"] = 0.12
+        if args.enforce_eager:
+            extra["enforce_eager"] = True
         llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(args.concurrency), seed=0, speculative_config=spec,
                   generation_config="vllm", **extra, **kwargs)
@@ -305,6 +387,14 @@ def main() -> None:
                         "servers, 256 MiB on the CPU)")
     p.add_argument("--gpu-spans", action="store_true",
                    help="also time each step's GPU span with CUDA events (see SPAN)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="C",
+                   help="at concurrency C (one of --concurrency), after its repeats, one "
+                        "more batch per arm under cProfile: own time per function per "
+                        "step, and each arm's difference from the first, beside --out")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="engines without CUDA graphs or compilation (fast start-ups; "
+                        "host costs of the forward are then the eager ones); arms "
+                        "without adaptive verification only")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -321,6 +411,12 @@ def main() -> None:
     arms = args.arms.split(",")
     args.kv_bytes = args.kv_bytes or ((6 << 30) if device == "gpu" else (256 << 20))
     texts = load_prompts(args.prompts.split(","))
+    if args.enforce_eager:
+        refusal = eager_refusal({n: arm_settings(n, args.draft, device)[0] for n in arms})
+        if refusal:
+            raise SystemExit(refusal)
+    if args.cprofile and args.cprofile not in args.concurrency:
+        raise SystemExit(f"--cprofile {args.cprofile}: not one of --concurrency")
     load_plugin_on()
     engines, info = {}, {}
     for name in arms:
@@ -354,6 +450,9 @@ def main() -> None:
             s = summary[name][f"tok_s_over_{arms[0]}"]
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
                   f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
+        if args.cprofile == c:
+            result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
+                engines, arms, prompts, args, Path(args.out).resolve().parent)
         with open(args.out, "w") as f:  # after each concurrency: a cut-off run keeps its part
             json.dump(result, f, indent=1)
 

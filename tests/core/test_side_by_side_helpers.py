@@ -125,3 +125,49 @@ def test_a_step_span_opens_at_its_first_launch_and_closes_after_its_sampling():
     if not torch.cuda.is_available():
         side_by_side.install_timers(other, {}, span=("launch", "sample"))
         assert other._side_by_side["span"] is None
+
+
+def _profiled(tmp_path, name: str, work_ms: float) -> str:
+    import cProfile
+
+    def busy_phase(ms):
+        t0 = time.perf_counter()
+        while (time.perf_counter() - t0) * 1e3 < ms:
+            pass
+
+    def step(ms):
+        busy_phase(ms)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(4):
+        step(work_ms)
+    prof.disable()
+    path = str(tmp_path / f"{name}.pstats")
+    prof.dump_stats(path)
+    return path
+
+
+def test_profile_rows_are_per_step_and_the_difference_finds_the_slower_function(tmp_path):
+    fast = side_by_side.cprofile_rows(_profiled(tmp_path, "fast", 1.0), steps=4)
+    slow = side_by_side.cprofile_rows(_profiled(tmp_path, "slow", 6.0), steps=4)
+    busy = next(k for k in fast if k.endswith(" busy_phase"))
+    calls, own_ms, _ = fast[busy]
+    # One call per step; its own time is most of ~1 ms (the clock reads are
+    # builtins of their own).
+    assert calls == 1.0 and 0.3 < own_ms < 3.0
+    diff = side_by_side.cprofile_diff(fast, slow)
+    assert diff[0]["function"] == busy  # the largest change comes first
+    assert 2.0 < diff[0]["tottime_ms_per_step_delta"] < 8.0
+    # A function only one side ran counts as zero on the other.
+    only = side_by_side.cprofile_diff({}, {"f": [1.0, 2.0, 2.0]})
+    assert only == [{"function": "f", "tottime_ms_per_step_delta": 2.0,
+                     "base": [0.0, 0.0, 0.0], "other": [1.0, 2.0, 2.0]}]
+
+
+def test_eager_engines_are_refused_up_front_for_arms_with_adaptive_verification():
+    assert side_by_side.eager_refusal({"nospec": None, "k1g": {"method": "draft_model"}}) is None
+    why = side_by_side.eager_refusal({
+        "nospec": None, "ours_v2g_d0": {"method": "draft_model",
+                                        "enable_adaptive_verification": True}})
+    assert "ours_v2g_d0" in why and "nospec" not in why
