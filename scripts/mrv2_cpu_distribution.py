@@ -97,10 +97,10 @@ def _lift_refusals() -> None:
     mrv2.mrv2_available = lambda device_type=None: True
 
 
-def engine(cfg: dict) -> None:
-    _lift_refusals()
+def capture_managers() -> list:
+    """(In the engine process, before the engine starts.) The list our MRV2
+    managers are appended to as they are built."""
     import vllm_av.vllm.mrv2.manager as manager_module
-    from vllm_av.core.verifier import AdaptiveVerifier
 
     managers = []
     init = manager_module.AVManager.__init__
@@ -110,6 +110,14 @@ def engine(cfg: dict) -> None:
         managers.append(self)
 
     manager_module.AVManager.__init__ = keep
+    return managers
+
+
+def engine(cfg: dict) -> None:
+    _lift_refusals()
+    from vllm_av.core.verifier import AdaptiveVerifier
+
+    managers = capture_managers()
     step = itertools.count()
     AdaptiveVerifier.choose_depth = lambda self, *a, **k: 0 if next(step) % 2 == 0 else self.K
 
