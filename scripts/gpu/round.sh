@@ -83,6 +83,14 @@ python3 scripts/gpu/register_plugin.py /tmp/site_av >/dev/null
 export PYTHONPATH=/tmp/site_av:$ROOT:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 log() { echo "[round $(date -u +%T)] $*"; }
+# RANDOM_PAIR=1: random weights of the real pair's shapes stand in for the
+# staged models (scripts/gpu/random_pair.py, from the tokenizer and config
+# carried in .gpu/randcfg): rounds about host costs need no model staging.
+# Their tokens and acceptance mean nothing.
+if [[ -n ${RANDOM_PAIR:-} ]]; then
+  python3 scripts/gpu/random_pair.py --hf .gpu/randcfg/qwen15 --out /tmp/rand
+  export TARGET_MODEL=/tmp/rand/qwen15 DRAFT_MODEL=/tmp/rand/qwen05
+fi
 NGPU=$(nvidia-smi -L | wc -l)
 log "$NGPU GPU(s)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
