@@ -190,9 +190,9 @@ def stop_cprofile(worker, path: str) -> str:
     return path
 
 
-def cprofile_rows(path: str, steps: int, top: int = 80) -> dict:
-    """function -> [calls, tottime ms, cumtime ms] per step, for the `top`
-    functions by own time in a profile of `steps` steps."""
+def cprofile_rows(path: str, steps: int) -> dict:
+    """function -> [calls, tottime ms, cumtime ms] per step, for every
+    function in a profile of `steps` steps."""
     import pstats
 
     stats = pstats.Stats(path).stats
@@ -200,8 +200,12 @@ def cprofile_rows(path: str, steps: int, top: int = 80) -> dict:
     for (file, line, name), (_, calls, tt, ct, _callers) in stats.items():
         key = f"{file.split('site-packages/')[-1].replace(str(REPO) + '/', '')}:{line} {name}"
         rows[key] = [calls / steps, tt * 1e3 / steps, ct * 1e3 / steps]
-    best = sorted(rows, key=lambda k: -rows[k][1])[:top]
-    return {k: rows[k] for k in best}
+    return rows
+
+
+def top_rows(rows: dict, top: int = 80) -> dict:
+    """The `top` functions of `cprofile_rows` by own time."""
+    return {k: rows[k] for k in sorted(rows, key=lambda k: -rows[k][1])[:top]}
 
 
 def cprofile_diff(base: dict, other: dict, top: int = 40) -> list:
@@ -219,21 +223,23 @@ def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path) -
     """One more batch per arm under cProfile (the engine's stepping thread):
     own time per function per step, and each arm's difference from the
     first arm's."""
-    rows = {}
+    rows, every = {}, {}
     for name in arms:
         llm = engines[name]
         llm.collective_rpc(start_cprofile)
         run = run_batch(llm, prompts, args.max_tokens)
         path = str(out_dir / f"cprofile_{name}_c{len(prompts)}.pstats")
         llm.collective_rpc(stop_cprofile, args=(path,))
+        every[name] = cprofile_rows(path, run["steps"])
         rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"],
-                      "functions": cprofile_rows(path, run["steps"])}
+                      "functions": top_rows(every[name])}
         print(f"[cprofile C={len(prompts)}] {name}: {run['steps']} steps, "
               f"{run['ms_per_step']:.2f} ms/step under the profiler; stats in {path}",
               flush=True)
     for name in arms[1:]:
-        rows[name][f"diff_over_{arms[0]}"] = d = cprofile_diff(
-            rows[arms[0]]["functions"], rows[name]["functions"])
+        # Over every function: one in the other arm's top list only is not
+        # a difference.
+        rows[name][f"diff_over_{arms[0]}"] = d = cprofile_diff(every[arms[0]], every[name])
         print(f"[cprofile C={len(prompts)}] {name} less {arms[0]}, own ms per step:", flush=True)
         for r in d[:25]:
             print(f"    {r['tottime_ms_per_step_delta']:+.4f}  {r['function']}", flush=True)

@@ -150,6 +150,7 @@ def _profiled(tmp_path, name: str, work_ms: float) -> str:
 
 def test_profile_rows_are_per_step_and_the_difference_finds_the_slower_function(tmp_path):
     fast = side_by_side.cprofile_rows(_profiled(tmp_path, "fast", 1.0), steps=4)
+    assert list(side_by_side.top_rows(fast, top=1)) == [max(fast, key=lambda k: fast[k][1])]
     slow = side_by_side.cprofile_rows(_profiled(tmp_path, "slow", 6.0), steps=4)
     busy = next(k for k in fast if k.endswith(" busy_phase"))
     calls, own_ms, _ = fast[busy]
