@@ -74,6 +74,7 @@ V2_OPTION_SUFFIXES = {
     "_varlen": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "0"),
     "_skipmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1"),
     "_catchup": ("VLLM_AV_DRAFTER_CATCH_UP", "1"),
+    "_noplain": ("VLLM_AV_PLAIN_ZERO_DRAFT_STEPS", "0"),
     "_d0": ("VLLM_AV_TEST_FIXED_DEPTH", "0"),
     "_d1": ("VLLM_AV_TEST_FIXED_DEPTH", "1"),
     "_ctx1k": ("VLLM_AV_PROFILE_CONTEXT_LEN", "1024"),

@@ -34,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    # Depth forced to alternate 0, K (a schedule that reads no token).
+    # Depths forced in a cycle (--depth-cycle, default 0, K: a schedule that
+    # reads no token).
     "holes": {},  # depth 0 skips the drafter (the served default)
     "catch_up": {"VLLM_AV_DRAFTER_CATCH_UP": "1"},
     "keep": {"VLLM_AV_ZERO_DEPTH_SKIPS_DRAFTER": "0"},  # depth 0 runs its first forward
@@ -113,13 +114,32 @@ def capture_managers() -> list:
     return managers
 
 
+def count_plain_steps() -> list:
+    """(In the engine process.) A one-item list holding how many steps
+    ended as plain decoding (vllm_av/vllm/mrv2/plain_step.py) so far."""
+    import vllm_av.vllm.mrv2.plain_step as plain_step
+
+    count = [0]
+    decide = plain_step.is_plain_step
+
+    def counted(state):
+        plain = decide(state)
+        count[0] += plain
+        return plain
+
+    plain_step.is_plain_step = counted
+    return count
+
+
 def engine(cfg: dict) -> None:
     _lift_refusals()
     from vllm_av.core.verifier import AdaptiveVerifier
 
     managers = capture_managers()
-    step = itertools.count()
-    AdaptiveVerifier.choose_depth = lambda self, *a, **k: 0 if next(step) % 2 == 0 else self.K
+    plain = count_plain_steps()
+    cycle = itertools.cycle(cfg.get("depth_cycle", "0,K").split(","))
+    AdaptiveVerifier.choose_depth = (
+        lambda self, *a, **k: (lambda d: self.K if d == "K" else int(d))(next(cycle)))
 
     from vllm import LLM, SamplingParams
 
@@ -138,6 +158,7 @@ def engine(cfg: dict) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
                         use_tqdm=False)
+    print(f"PLAIN_STEPS {plain[0]}")
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
 
@@ -149,6 +170,9 @@ def main() -> None:
                     help="a cost table under which the budget trims every step")
     ap.add_argument("--short-prompt", action="store_true",
                     help="the 4-token prompt (windows rarely reach back past 2K)")
+    ap.add_argument("--depth-cycle", default="0,K",
+                    help="the depths forced in turn, K for K (K,0,0: the last step verifies "
+                         "and drafts nothing, so it ends as plain decoding)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -176,8 +200,9 @@ def main() -> None:
                VLLM_AV_METRICS_DIR=str(work / "metrics"), VLLM_AV_METRICS_INTERVAL="1",
                **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
-           "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS}
-    print(f"[mrv2-cpu] {args.variant}, {'trimming' if args.trim else 'no trimming'}, "
+           "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle}
+    print(f"[mrv2-cpu] {args.variant}, depths {args.depth_cycle}, "
+          f"{'trimming' if args.trim else 'no trimming'}, "
           f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
           flush=True)
     with open(work / "engine.log", "w") as log:
@@ -186,11 +211,13 @@ def main() -> None:
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.exit(f"[mrv2-cpu] engine failed ({proc.returncode}); see {work}/engine.log")
+    plain = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PLAIN_STEPS ")]
     import numpy as np
 
     tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
     exact = first_tokens_distribution(models.target, prompt, NUM_TOKENS).numpy()
     print(json.dumps({"variant": args.variant, "trim": args.trim, "prompt_len": len(prompt),
+                      "depth_cycle": args.depth_cycle, "plain_steps": plain[-1],
                       "n": len(tokens), "p_values": p_values(tokens, exact),
                       "av_counters": read_snapshot(str(work / "metrics"))}))
 

@@ -12,8 +12,10 @@ the model's forward, per decode step, and prints them by call site:
 
 Arms: `plain` (V2 without speculation), `ours_d0` (our V2 path with a
 draft model, depth forced to 0: the steps ours runs when it does not
-draft), `ours_d0_skipmeta` (the same with option skip_draft_layer_metadata)
-and `vllm_k1` (vLLM's draft-model speculation, K=1, for scale).
+draft), `ours_d0_skipmeta` (the same with option skip_draft_layer_metadata),
+`ours_d0_noplain` (the same with option plain_zero_draft_steps off: steps
+that verify and draft nothing still go through vLLM's speculator
+bookkeeping) and `vllm_k1` (vLLM's draft-model speculation, K=1, for scale).
 Counts are what the host issues, not what it costs: on the GPU each op is
 a launch of a few microseconds and each Triton launch tens.
 """
@@ -47,6 +49,11 @@ ARMS = {
                                  "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1"},
                          "spec": {"method": "draft_model", "num_speculative_tokens": 4,
                                   "enable_adaptive_verification": True}},
+    "ours_d0_noplain": {"env": {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
+                                "VLLM_AV_TEST_FIXED_DEPTH": "0",
+                                "VLLM_AV_PLAIN_ZERO_DRAFT_STEPS": "0"},
+                        "spec": {"method": "draft_model", "num_speculative_tokens": 4,
+                                 "enable_adaptive_verification": True}},
     "vllm_k1": {"env": {"VLLM_AV_IMPL": "off"},
                 "spec": {"method": "draft_model", "num_speculative_tokens": 1}},
 }

@@ -15,7 +15,9 @@ Runner V2 through our MRV2 path in bfloat16: with the drafter's KV kept
 whole at depth 0, and with the depth forced to alternate 0 and K, over
 the holes depth-0 steps leave, with them caught up, and with the drafter
 run at depth 0; then the parts apart: alternating with every draft
-verified, and depth K on every step under trimming. Four chi-square
+verified, and depth K on every step under trimming; and depths K, 0, 0
+in turn, whose last step verifies and drafts nothing and so ends as plain
+decoding. Four chi-square
 tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
@@ -57,14 +59,23 @@ SAMPLE = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
+    plain = [0]
     if cfg.get("alternate_depth"):
-        # Depth 0, K, 0, K, ... (in-process engine core): a schedule that
-        # reads no token, so the output must still be the target's.
+        # Depths in a cycle, 0, K, 0, K, ... unless given (in-process engine
+        # core): a schedule that reads no token, so the output must still
+        # be the target's. Steps that end as plain decoding are counted.
         import itertools
         from vllm_av.core.verifier import AdaptiveVerifier
-        step = itertools.count()
+        import vllm_av.vllm.mrv2.plain_step as plain_step
+        cycle = itertools.cycle(cfg.get("depth_cycle", "0,K").split(","))
         AdaptiveVerifier.choose_depth = (
-            lambda self, *a, **kw: 0 if next(step) % 2 == 0 else self.K)
+            lambda self, *a, **kw: (lambda d: self.K if d == "K" else int(d))(next(cycle)))
+        decide = plain_step.is_plain_step
+        def counted(state):
+            out = decide(state)
+            plain[0] += out
+            return out
+        plain_step.is_plain_step = counted
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
               speculative_config={"method": "draft_model", "model": cfg["draft"],
@@ -73,6 +84,7 @@ SAMPLE = textwrap.dedent(
                                   "enable_adaptive_verification": True})
     sp = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], sp, use_tqdm=False)
+    print(f"PLAIN_STEPS {plain[0]}")
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids[:cfg["n_tokens"]]) for o in outs]))
     """
 )
@@ -119,7 +131,10 @@ def flat_cost_table(tmp_path_factory):
 
 def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
            async_scheduling: bool | None = False, env_extra: dict | None = None,
-           alternate_depth: bool = False, prompt: list[int] = PROMPT) -> np.ndarray:
+           alternate_depth: bool | str = False, prompt: list[int] = PROMPT,
+           counts: dict | None = None) -> np.ndarray:
+    """`alternate_depth`: True for depths 0, K in turn, or the cycle as
+    "K,0,0"; `counts` gets the steps that ended as plain decoding there."""
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_AV_IMPL="ours",
                VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_CALIBRATE_COSTS="0",
                VLLM_AV_METRICS_DIR=str(metrics_dir),
@@ -131,12 +146,17 @@ def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": NUM_SAMPLES, "n_tokens": NUM_TOKENS, "dtype": dtype,
-           "async": async_scheduling, "alternate_depth": alternate_depth}
+           "async": async_scheduling, "alternate_depth": bool(alternate_depth)}
+    if isinstance(alternate_depth, str):
+        cfg["depth_cycle"] = alternate_depth
     proc = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps(cfg)], env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if counts is not None:
+        counts["plain_steps"] = int(next(l.split()[1] for l in proc.stdout.splitlines()
+                                         if l.startswith("PLAIN_STEPS ")))
     return np.array(json.loads(lines[-1][len("RESULT "):]))
 
 
@@ -189,14 +209,19 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
                   prompt=PROMPT):
     """Samples through our AV on Model Runner V2 in bfloat16 with `env`
     set: (p-values against `exact`, the distribution after `prompt`; our
-    metrics snapshot)."""
+    metrics snapshot, with the plain steps counted under a forced depth
+    cycle)."""
     from vllm_av.vllm.metrics import read_snapshot
 
+    counts: dict = {}
     tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False, dtype="bfloat16",
                     async_scheduling=None, alternate_depth=alternate_depth, prompt=prompt,
-                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1", **env})
+                    env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1", **env},
+                    counts=counts)
     pvals = p_values(tokens, exact)
     stats = read_snapshot(str(tmp_path / "metrics"))
+    if stats is not None:
+        stats.update(counts)
     print(f"GPU AV on {label} (bfloat16): N={len(tokens)} chi-square p-values {pvals}; "
           f"AV counters {stats}")
     return pvals, stats
@@ -262,6 +287,21 @@ def test_our_av_on_model_runner_v2_with_skipped_drafter_untrimmed_matches_target
                                  alternate_depth=True, prompt=LONG_PROMPT)
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["zero_depth_steps"] > 0 and stats["trimmed"] == 0, stats
+
+
+def test_our_av_on_model_runner_v2_with_plain_depth_zero_steps_matches_target_distribution(
+        models, exact_long, cost_table, tmp_path):
+    """Depths K, 0, 0 in turn over holes, as served (uniform graphs), under
+    trimming: a step after a depth-0 step verifies no draft, and at depth 0
+    drafts none, so it ends as plain decoding (vllm_av/vllm/mrv2/plain_step.py,
+    option plain_zero_draft_steps); the depth-K drafts are verified (trimmed)
+    the step after. Three tokens per sample: the cycle drafts before the
+    plain step, so that drafts land within each sample's tokens."""
+    pvals, stats = _sample_on_v2(models, exact_long, cost_table, tmp_path,
+                                 "MRV2, depths K/0/0, plain depth-0 steps", {},
+                                 alternate_depth="K,0,0", prompt=LONG_PROMPT)
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["plain_steps"] > 0 and stats["verified"] > 0, stats
 
 
 def test_our_av_on_model_runner_v2_at_depth_k_trimmed_matches_target_distribution(

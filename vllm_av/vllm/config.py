@@ -123,7 +123,9 @@ class AVOptions:
     # A step that verifies no draft (depth 0, or no request drafted) runs
     # as vLLM's plain decoding step: no spec-decode metadata, no rejection
     # sampler (vllm_av/vllm/mrv1/plain_step.py). Off: vLLM's V1 path, which
-    # verifies zero drafts per request.
+    # verifies zero drafts per request. On Model Runner V2, a step that
+    # verifies no draft and drafts none ends without the speculator's
+    # bookkeeping (vllm_av/vllm/mrv2/plain_step.py).
     plain_zero_draft_steps: bool = True
     # Correct the cost tables from timed steps (every 4th step: drafting,
     # and the rest of the step). Off: plan with the profiled or loaded

@@ -82,7 +82,7 @@ def set_profile_depth(depth: int | None) -> None:
     _PROFILE_DEPTH["depth"] = depth
 
 
-def _depth_options(speculator) -> tuple[bool, bool, bool]:
+def depth_options(speculator) -> tuple[bool, bool, bool]:
     """(adaptive depth on, depth 0 runs the drafter's first forward, the
     drafter catches up on what depth-0 steps skipped), read once from our
     options: the second with option zero_depth_skips_drafter off, so that
@@ -191,7 +191,7 @@ class MRV2DraftDepthPatch(VllmPatch):
         K = self.num_speculative_steps
         depth = kwargs.get("num_speculative_tokens")
         note_propose(False)
-        on, zero_depth_forward, catch_up = _depth_options(self)
+        on, zero_depth_forward, catch_up = depth_options(self)
         profile_depth = _PROFILE_DEPTH["depth"]
         if kwargs.get("dummy_run") and on and profile_depth is not None and profile_depth < K:
             # A start-up profile's dummy run timed at this depth.

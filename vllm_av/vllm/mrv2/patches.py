@@ -23,6 +23,7 @@ from vllm_av.vllm.mrv2.drafter_graphs import MRV2DraftMetadataBoundPatch, MRV2Dr
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
 from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
+from vllm_av.vllm.mrv2.plain_step import MRV2PlainZeroDepthStepPatch
 from vllm_av.vllm.mrv2.replay_bound import MRV2ReplayBoundPatch
 from vllm_av.vllm.mrv2.uniform_graphs import MRV2UniformDecodeGraphsPatch
 from vllm_av.vllm.patching import VllmPatch
@@ -131,7 +132,8 @@ class MRV2EstimatorPatch(VllmPatch):
 MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
                 MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch,
-                MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch, MRV2DraftMetadataBoundPatch]
+                MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch, MRV2DraftMetadataBoundPatch,
+                MRV2PlainZeroDepthStepPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:

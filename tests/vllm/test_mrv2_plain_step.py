@@ -1,0 +1,145 @@
+"""Steps that verify no draft and draft none end as plain decoding on Model
+Runner V2 (vllm_av/vllm/mrv2/plain_step.py): when the runner's speculator
+is hidden, and when it is not; and vLLM 0.32's code the patch relies on.
+The path end to end: tests/vllm/test_mrv2_on_cpu.py (CPU) and
+tests/gpu/test_gpu_lossless.py (H200)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_av.vllm.config import AVOptions  # noqa: E402
+from vllm_av.vllm.mrv2.depth import drafter_skipped, note_propose  # noqa: E402
+from vllm_av.vllm.mrv2.plain_step import MRV2PlainZeroDepthStepPatch  # noqa: E402
+
+
+# ------------------------------------------------------------ vLLM premises
+def test_vllm_sample_tokens_reads_the_speculator_only_behind_a_none_check():
+    """With the speculator set to None, vLLM's sample_tokens takes its plain
+    path: every line that reads it is guarded, the sampler (not the
+    rejection sampler) serves a batch with no draft, and the step's
+    scheduled depth is in the state it reads."""
+    from vllm.v1.worker.gpu import model_runner
+
+    src = inspect.getsource(model_runner.GPUModelRunner.sample_tokens)
+    assert src.count("if self.speculator is not None:") == 1
+    assert "self.speculator is not None\n" in src  # the multimodal check
+    assert "num_spec_tokens_to_schedule" in src
+    sample = inspect.getsource(model_runner.GPUModelRunner.sample)
+    assert "input_batch.num_draft_tokens == 0 or self.rejection_sampler is None" in sample
+    assert "num_spec_tokens_to_schedule" in model_runner.ExecuteModelState._fields
+
+
+# ------------------------------------------------------------ the patch
+def _speculator(on=True, keep_kv=False, catch_up=False):
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
+        StandaloneARSpeculator)
+
+    spec = object.__new__(StandaloneARSpeculator)
+    spec._vllm_av_depth_options = (on, on and keep_kv, on and not keep_kv and catch_up)
+    return spec
+
+
+class _Runner(MRV2PlainZeroDepthStepPatch):
+    """The patch's method over a stand-in for vLLM's runner: the original
+    records the speculator it saw."""
+
+    def __init__(self, speculator, verified=0, depth=0, option=True, num_reqs=3):
+        self.vllm_config = SimpleNamespace(additional_config={
+            "vllm_av": AVOptions(plain_zero_draft_steps=option).to_dict()})
+        self.speculator = speculator
+        self.sampler = object()
+        self.is_last_pp_rank, self.pp_handler, self.pcp_manager = True, None, None
+        self.seen = []
+        self.fail = False
+        self.step(verified, depth, num_reqs)
+
+    def step(self, verified, depth, num_reqs=3):
+        self.execute_model_state = SimpleNamespace(
+            num_spec_tokens_to_schedule=depth,
+            input_batch=SimpleNamespace(num_reqs=num_reqs, num_draft_tokens=verified))
+
+    def _orig_sample_tokens(self, grammar_output):
+        self.seen.append(self.speculator)
+        if self.fail:
+            raise RuntimeError("sampling failed")
+        return "output"
+
+
+def test_a_step_verifying_and_drafting_nothing_runs_without_the_speculator():
+    spec = _speculator()
+    runner = _Runner(spec)
+    note_propose(False)
+    assert runner.sample_tokens(None) == "output"
+    assert runner.seen == [None] and runner.speculator is spec
+    assert drafter_skipped()  # our manager's record has nothing to wait for
+
+
+@pytest.mark.parametrize("verified,depth", [(2, 0), (0, 3), (4, 4)],
+                         ids=["verifies_drafts", "drafts", "both"])
+def test_steps_that_verify_or_draft_keep_the_speculator(verified, depth):
+    spec = _speculator()
+    runner = _Runner(spec, verified=verified, depth=depth)
+    note_propose(False)
+    runner.sample_tokens(None)
+    assert runner.seen == [spec] and not drafter_skipped()
+
+
+@pytest.mark.parametrize("kwargs", [{"option": False}, {"num_reqs": 0}],
+                         ids=["option_off", "empty_batch"])
+def test_option_off_or_an_empty_batch_keeps_the_speculator(kwargs):
+    spec = _speculator()
+    runner = _Runner(spec, **kwargs)
+    runner.sample_tokens(None)
+    assert runner.seen == [spec]
+
+
+@pytest.mark.parametrize("spec_kwargs", [{"on": False}, {"keep_kv": True}, {"catch_up": True}],
+                         ids=["depth_off", "depth0_runs_first_forward", "catch_up"])
+def test_depth_zero_that_still_drafts_or_records_keeps_the_speculator(spec_kwargs):
+    """Without adaptive depth every step drafts; with the drafter's first
+    forward at depth 0 (its KV kept whole), or its catch-up ledger fed by
+    depth-0 steps, `propose` has work at depth 0."""
+    spec = _speculator(**spec_kwargs)
+    runner = _Runner(spec)
+    runner.sample_tokens(None)
+    assert runner.seen == [spec]
+
+
+def test_other_speculators_pipeline_ranks_and_watermarking_keep_the_speculator():
+    ngram = SimpleNamespace(vllm_config=None)
+    runner = _Runner(ngram)
+    runner.sample_tokens(None)
+    assert runner.seen == [ngram]
+
+    class GPUWatermarkSampler:
+        pass
+
+    for setup in (lambda r: setattr(r, "pp_handler", object()),
+                  lambda r: setattr(r, "is_last_pp_rank", False),
+                  lambda r: setattr(r, "sampler", GPUWatermarkSampler())):
+        spec = _speculator()
+        runner = _Runner(spec)
+        setup(runner)
+        runner.sample_tokens(None)
+        assert runner.seen == [spec]
+
+
+def test_the_speculator_is_restored_when_sampling_fails_and_decided_once_loaded():
+    runner = _Runner(None)
+    runner.sample_tokens(None)  # before the drafter is loaded: not decided yet
+    spec = _speculator()
+    runner.speculator = spec
+    runner.fail = True
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        runner.sample_tokens(None)
+    assert runner.speculator is spec and runner.seen == [None, None]
+    runner.fail = False
+    runner.step(verified=1, depth=0)
+    runner.sample_tokens(None)
+    assert runner.seen[-1] is spec
