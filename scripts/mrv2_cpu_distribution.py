@@ -23,7 +23,6 @@ V2 uses) is computed as log(1 + x).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -114,32 +113,14 @@ def capture_managers() -> list:
     return managers
 
 
-def count_plain_steps() -> list:
-    """(In the engine process.) A one-item list holding how many steps
-    ended as plain decoding (vllm_av/vllm/mrv2/plain_step.py) so far."""
-    import vllm_av.vllm.mrv2.plain_step as plain_step
-
-    count = [0]
-    decide = plain_step.is_plain_step
-
-    def counted(state):
-        plain = decide(state)
-        count[0] += plain
-        return plain
-
-    plain_step.is_plain_step = counted
-    return count
-
-
 def engine(cfg: dict) -> None:
     _lift_refusals()
-    from vllm_av.core.verifier import AdaptiveVerifier
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from forced_depth import count_plain_steps, force_depth_cycle
 
     managers = capture_managers()
     plain = count_plain_steps()
-    cycle = itertools.cycle(cfg.get("depth_cycle", "0,K").split(","))
-    AdaptiveVerifier.choose_depth = (
-        lambda self, *a, **k: (lambda d: self.K if d == "K" else int(d))(next(cycle)))
+    force_depth_cycle(cfg.get("depth_cycle", "0,K"))
 
     from vllm import LLM, SamplingParams
 

@@ -64,18 +64,10 @@ SAMPLE = textwrap.dedent(
         # Depths in a cycle, 0, K, 0, K, ... unless given (in-process engine
         # core): a schedule that reads no token, so the output must still
         # be the target's. Steps that end as plain decoding are counted.
-        import itertools
-        from vllm_av.core.verifier import AdaptiveVerifier
-        import vllm_av.vllm.mrv2.plain_step as plain_step
-        cycle = itertools.cycle(cfg.get("depth_cycle", "0,K").split(","))
-        AdaptiveVerifier.choose_depth = (
-            lambda self, *a, **kw: (lambda d: self.K if d == "K" else int(d))(next(cycle)))
-        decide = plain_step.is_plain_step
-        def counted(state):
-            out = decide(state)
-            plain[0] += out
-            return out
-        plain_step.is_plain_step = counted
+        sys.path.insert(0, cfg["helpers"])
+        from forced_depth import count_plain_steps, force_depth_cycle
+        force_depth_cycle(cfg.get("depth_cycle", "0,K"))
+        plain = count_plain_steps()
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
               speculative_config={"method": "draft_model", "model": cfg["draft"],
@@ -146,7 +138,8 @@ def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": NUM_SAMPLES, "n_tokens": NUM_TOKENS, "dtype": dtype,
-           "async": async_scheduling, "alternate_depth": bool(alternate_depth)}
+           "async": async_scheduling, "alternate_depth": bool(alternate_depth),
+           "helpers": str(HERE.parent / "vllm")}
     if isinstance(alternate_depth, str):
         cfg["depth_cycle"] = alternate_depth
     proc = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps(cfg)], env=env,
