@@ -11,6 +11,7 @@ import torch
 from vllm_av.core.budget import size_budget
 from vllm_av.core.cost_model import RESCALE_TOLERANCE, CostModel
 from vllm_av.core.verifier import (
+    EXPLORE_BACKOFF_MAX,
     EXPLORE_HOPELESS_TIME_SHARE,
     EXPLORE_MAX_TIME_SHARE,
     EXPLORE_MIN_INTERVAL,
@@ -50,9 +51,11 @@ def _depths(v: AdaptiveVerifier, R: int, steps: int, accept_first: bool = True) 
 
 @pytest.fixture
 def no_time_share_bound(monkeypatch):
-    """Exploration paced by the step-count rule alone."""
+    """Exploration paced by the step-count rule alone (no time-share bound,
+    no backoff)."""
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_BACKOFF_MAX", 1)
 
 
 def _costly_drafter(draft_ms: float = 1e6) -> AdaptiveVerifier:
@@ -83,6 +86,58 @@ def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(
     depths = _depths(_verifier(draft_ms=1e6), R, 2 * interval + 1)
     full = [i + 1 for i, d in enumerate(depths) if d == K]  # 1-based step numbers
     assert full == [interval, 2 * interval]
+
+
+def test_explorations_that_change_nothing_back_off_to_a_bounded_interval(monkeypatch):
+    """Drafting never pays: after the first exploration each one doubles
+    the next interval (8, 16, 32, 64 steps), then it stays at
+    EXPLORE_BACKOFF_MAX times the base. Without the backoff they would
+    come every 8 steps."""
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
+    depths = _depths(_verifier(draft_ms=1e6), 4, 8 + 8 + 16 + 32 + 64 + 64 + 64)
+    full = [i + 1 for i, d in enumerate(depths) if d == K]
+    gaps = np.diff([0] + full).tolist()
+    assert gaps == [8, 8, 16, 32, 64, 64, 64]
+    assert EXPLORE_BACKOFF_MAX == 8
+
+
+def test_a_policy_that_drafts_again_explores_at_the_base_interval(monkeypatch):
+    """Once the policy chooses to draft between two explorations (here:
+    drafting becomes free), the interval after the next exploration is the
+    base one again."""
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
+    v = _verifier(draft_ms=1e6)
+    R, ids = 4, _ids(4)
+    depths = [v.choose_depth(ids, R, R) for _ in range(8 + 8 + 16)]  # scale 4 after these
+    assert [i + 1 for i, d in enumerate(depths) if d == K] == [8, 16, 32]
+    assert v._explore_scale == 4
+    # A step where the policy itself drafts (a seeded request's floor would
+    # not count), then depth 0 again: the next exploration resets the scale.
+    v._best_depth = lambda *a, **k: 1
+    assert v.choose_depth(ids, R, R) == 1
+    del v._best_depth
+    rest = [v.choose_depth(ids, R, R) for _ in range(31)]
+    assert rest == [0] * 30 + [K]  # the fourth exploration, 32 steps after the third
+    assert v._explore_scale == 1
+    after = [v.choose_depth(ids, R, R) for _ in range(8)]
+    assert after[-1] == K and after.count(K) == 1
+
+
+def test_a_floor_of_full_depth_is_not_the_policy_drafting(monkeypatch):
+    """Steps drafted only because of `min_depth` (a seeded request) do not
+    reset the backoff."""
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
+    monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
+    v = _verifier(draft_ms=1e6)
+    ids = _ids(4)
+    for _ in range(16):
+        v.choose_depth(ids, 4, 4)
+    assert v._explore_scale == 2
+    for _ in range(16):
+        v.choose_depth(ids, 4, 4, min_depth=K)
+    assert v._explore_scale == 4
 
 
 def test_exploration_waits_for_a_step_that_allows_it(no_time_share_bound):

@@ -173,6 +173,14 @@ EXPLORE_MAX_TIME_SHARE = 0.05
 # a full-depth step pay (then exploring can only confirm that; it is kept
 # so that a drafter that gets faster is noticed).
 EXPLORE_HOPELESS_TIME_SHARE = 0.01
+# ... and each exploration after which the policy went on choosing depth 0
+# until the next one doubles the interval that follows, up to this factor
+# (the time share then falls to 5% / 8, or 1% / 8); the first step the
+# policy chooses to draft resets it. Where drafting does not pay (the
+# Qwen2.5-Coder pair on the H200: depth 0 on 99% of steps, the rest
+# explorations) exploring is a cost on every step; a drafter that starts
+# to pay is still noticed, up to this many times later.
+EXPLORE_BACKOFF_MAX = 8
 # Plain-step probes (choose_depth, with `probe_plain_steps`): while no step
 # that verifies no draft has been timed, depth 0 once every this many steps,
 # at most PLAIN_PROBES_MAX times, so that B = 0 gets its own measured cost
@@ -265,6 +273,11 @@ class AdaptiveVerifier:
         # since the last exploration step.
         self._last_depth: int | None = None
         self._since_explore = 0
+        # Exploration backoff (EXPLORE_BACKOFF_MAX): the factor on the next
+        # interval, and whether the policy chose to draft since the last
+        # exploration (None before the first).
+        self._explore_scale = 1
+        self._drafted_since_explore: bool | None = None
         # Depth-0 probes of the plain verification table (off by default:
         # the vLLM adapter turns them on where plain steps are timed).
         self.probe_plain_steps = False
@@ -321,8 +334,9 @@ class AdaptiveVerifier:
         (its population average) for all, or one bad step would freeze the
         depth at 0 (no drafts, no new rows, no learning). Every
         max(EXPLORE_MIN_INTERVAL, R // 2) steps, or more where full depth is
-        dear (`_explore_interval`), the depth is K (exploration; the budget
-        still decides what is verified). Takes no features: d never depends
+        dear (`_explore_interval`), and up to EXPLORE_BACKOFF_MAX times that
+        while explorations leave the policy at depth 0, the depth is K
+        (exploration; the budget still decides what is verified). Takes no features: d never depends
         on this step's drafts.
         """
         R = len(req_ids)
@@ -333,10 +347,13 @@ class AdaptiveVerifier:
         self._since_plain_probe += 1
         if self._explore_due(R, num_other_tokens, may_explore):
             self._since_explore, d = 0, K
+            self._back_off_exploration()
         elif self._plain_probe_due():
             d = 0
         else:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
+            if d > 0:  # the policy's own choice, before any floor
+                self._drafted_since_explore = True
         d = int(min(max(d, min_depth), K))
         self._last_depth = d
         record_depth(self.stats, d, K)
@@ -351,8 +368,18 @@ class AdaptiveVerifier:
         # it is reached (the interval is never shorter than that floor).
         if since < max(EXPLORE_MIN_INTERVAL, R // 2):
             return False
-        interval = self._explore_interval(R, num_other_tokens)
+        interval = self._explore_interval(R, num_other_tokens) * self._explore_scale
         return since >= (interval if may_explore else 2 * interval)
+
+    def _back_off_exploration(self) -> None:
+        """At an exploration step: double the next interval if the policy
+        chose depth 0 on every step since the previous exploration, else
+        (or at the first) keep the base interval (EXPLORE_BACKOFF_MAX)."""
+        if self._drafted_since_explore is False:
+            self._explore_scale = min(2 * self._explore_scale, EXPLORE_BACKOFF_MAX)
+        else:
+            self._explore_scale = 1
+        self._drafted_since_explore = False
 
     def _plain_probe_due(self) -> bool:
         """A depth-0 step to time a plain step (see PLAIN_PROBE_INTERVAL)."""
