@@ -117,12 +117,11 @@ def test_other_speculators_pipeline_ranks_and_watermarking_keep_the_speculator()
     runner.sample_tokens(None)
     assert runner.seen == [ngram]
 
-    class GPUWatermarkSampler:
-        pass
+    from vllm.v1.watermarking.gpu_sampler import GPUWatermarkSampler
 
     for setup in (lambda r: setattr(r, "pp_handler", object()),
                   lambda r: setattr(r, "is_last_pp_rank", False),
-                  lambda r: setattr(r, "sampler", GPUWatermarkSampler())):
+                  lambda r: setattr(r, "sampler", object.__new__(GPUWatermarkSampler))):
         spec = _speculator()
         runner = _Runner(spec)
         setup(runner)

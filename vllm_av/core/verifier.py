@@ -336,8 +336,8 @@ class AdaptiveVerifier:
         max(EXPLORE_MIN_INTERVAL, R // 2) steps, or more where full depth is
         dear (`_explore_interval`), and up to EXPLORE_BACKOFF_MAX times that
         while explorations leave the policy at depth 0, the depth is K
-        (exploration; the budget still decides what is verified). Takes no features: d never depends
-        on this step's drafts.
+        (exploration; the budget still decides what is verified). Takes no
+        features: d never depends on this step's drafts.
         """
         R = len(req_ids)
         K = self.K

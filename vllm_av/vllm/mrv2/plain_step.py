@@ -52,6 +52,7 @@ def runner_applies(runner) -> bool:
     speculator = getattr(runner, "speculator", None)
     if options is None or not options.plain_zero_draft_steps or speculator is None:
         return False
+    from vllm.v1.watermarking.gpu_sampler import GPUWatermarkSampler
     from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
         StandaloneARSpeculator)
 
@@ -66,7 +67,7 @@ def runner_applies(runner) -> bool:
         return False
     if getattr(runner, "pcp_manager", None) is not None:
         return False
-    return "Watermark" not in type(getattr(runner, "sampler", None)).__name__
+    return not isinstance(getattr(runner, "sampler", None), GPUWatermarkSampler)
 
 
 def is_plain_step(state) -> bool:
