@@ -223,9 +223,20 @@ def gpu_busy_ms(events) -> float:
     return sum(b - a for a, b in union(spans)) / 1e3  # us -> ms
 
 
+def device_time_table(prof, rows: int = 40) -> str:
+    """The profiled ops and kernels by their own device time, largest
+    first: what a step spends on the GPU, kernel by kernel, to set two
+    engines' tables side by side."""
+    averages = prof.key_averages()
+    try:
+        return averages.table(sort_by="self_device_time_total", row_limit=rows)
+    except (AttributeError, KeyError):  # older torch names it after CUDA
+        return averages.table(sort_by="self_cuda_time_total", row_limit=rows)
+
+
 def profile_batch(llm, prompts, sp, path: str, trace: str = "") -> dict:
     """One batch under torch.profiler (CPU and CUDA activity): the op
-    table by host time, the host-blocking calls by call site, how much of
+    table by host time and by own device time, the host-blocking calls by call site, how much of
     the batch's wall time the GPU was busy (the rest it waited for the
     host), the steps' count for per-step reading and, with `trace`, the
     timeline as a gzipped Chrome trace."""
@@ -247,6 +258,7 @@ def profile_batch(llm, prompts, sp, path: str, trace: str = "") -> dict:
     busy = gpu_busy_ms(prof.events())
     with open(path, "w") as f:
         f.write(f"concurrency {len(prompts)}, {sp.max_tokens} tokens each\n{table}\n")
+        f.write(f"\nby own device time\n{device_time_table(prof)}\n")
         f.write(f"\nGPU busy {busy:.1f} ms of {wall_ms:.1f} ms wall (profiled)\n")
         f.write("\nhost-blocking calls by call site (count, op, innermost frames)\n")
         for n, op, where in sites[:60]:
