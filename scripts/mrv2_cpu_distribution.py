@@ -113,6 +113,33 @@ def capture_managers() -> list:
     return managers
 
 
+def engine_env(costs: Path, **extra: str) -> dict:
+    """The environment of an engine process that runs Model Runner V2 on
+    the CPU (in process, Triton interpreted, async scheduling, our drafter
+    graphs off) with the cost table `costs` as given, plus `extra`."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
+                VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                VLLM_CPU_KVCACHE_SPACE="1", VLLM_AV_TEST_CPU_ASYNC="1",
+                VLLM_AV_DRAFTER_GRAPHS="0", VLLM_AV_COST_TABLE=str(costs),
+                VLLM_AV_CALIBRATE_COSTS="0", **extra)
+
+
+def start_engine(target: str, speculative_config: dict | None, managers: list):
+    """(In the engine process, after `_lift_refusals`.) The tiny target's
+    engine, eager and float32; our managers' depth policy started at once
+    (no CUDA graphs, so no start-up profile: the given table is used)."""
+    from vllm import LLM
+
+    llm = LLM(model=target, dtype="float32", max_model_len=256, max_num_seqs=64,
+              seed=0, gpu_memory_utilization=0.2, enforce_eager=True,
+              distributed_executor_backend="uni", async_scheduling=True,
+              speculative_config=speculative_config)
+    for m in managers:
+        if m.depth is None:
+            m.set_cost_curves([], [])
+    return llm
+
+
 def engine(cfg: dict) -> None:
     _lift_refusals()
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -122,20 +149,12 @@ def engine(cfg: dict) -> None:
     plain = count_plain_steps()
     force_depth_cycle(cfg.get("depth_cycle", "0,K"))
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=cfg["target"], dtype="float32", max_model_len=256, max_num_seqs=64,
-              seed=0, gpu_memory_utilization=0.2, enforce_eager=True,
-              distributed_executor_backend="uni", async_scheduling=True,
-              speculative_config={"method": "draft_model", "model": cfg["draft"],
-                                  "num_speculative_tokens": cfg["k"],
-                                  "draft_sample_method": "probabilistic",
-                                  "enable_adaptive_verification": True})
-    # No CUDA graphs, so no start-up profile: the cost table given is used
-    # as is, and the depth policy starts now.
-    for m in managers:
-        if m.depth is None:
-            m.set_cost_curves([], [])
+    llm = start_engine(cfg["target"], {"method": "draft_model", "model": cfg["draft"],
+                                       "num_speculative_tokens": cfg["k"],
+                                       "draft_sample_method": "probabilistic",
+                                       "enable_adaptive_verification": True}, managers)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
                         use_tqdm=False)
@@ -173,13 +192,9 @@ def main() -> None:
     costs = work / "costs.json"
     costs.write_text(CostModel.from_samples(TRIM_COSTS if args.trim else FLAT_COSTS,
                                             {1: [1.0]}).to_json())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
-               VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_AV_IMPL="ours", VLLM_AV_MRV2="1",
-               VLLM_AV_TEST_CPU_ASYNC="1", VLLM_AV_DRAFTER_GRAPHS="0",
-               VLLM_AV_COST_TABLE=str(costs), VLLM_AV_CALIBRATE_COSTS="0",
-               VLLM_AV_METRICS_DIR=str(work / "metrics"), VLLM_AV_METRICS_INTERVAL="1",
-               **VARIANTS[args.variant])
+    env = engine_env(costs, VLLM_AV_IMPL="ours", VLLM_AV_MRV2="1",
+                     VLLM_AV_METRICS_DIR=str(work / "metrics"), VLLM_AV_METRICS_INTERVAL="1",
+                     **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle}
     print(f"[mrv2-cpu] {args.variant}, depths {args.depth_cycle}, "

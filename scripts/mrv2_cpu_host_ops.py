@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -188,23 +187,17 @@ def _models(runner):
 
 
 def engine(cfg: dict) -> None:
-    from mrv2_cpu_distribution import _lift_refusals, capture_managers
+    from mrv2_cpu_distribution import _lift_refusals, capture_managers, start_engine
 
     _lift_refusals()
     counter = Counter()
     if not cfg.get("profile"):  # the wrappers would weigh on the profile
         install(counter, count_ops=cfg["count_ops"])
     managers = capture_managers()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     spec = dict(cfg["spec"], model=cfg["draft"]) if cfg["spec"] else None
-    llm = LLM(model=cfg["target"], dtype="float32", max_model_len=256, max_num_seqs=64,
-              seed=0, gpu_memory_utilization=0.2, enforce_eager=True,
-              distributed_executor_backend="uni", async_scheduling=True,
-              speculative_config=spec)
-    for m in managers:  # no graphs, no profile: start the depth policy now
-        if m.depth is None:
-            m.set_cost_curves([], [])
+    llm = start_engine(cfg["target"], spec, managers)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 50 for j in range(12)]}
                for i in range(cfg["requests"])]
@@ -216,14 +209,11 @@ def engine(cfg: dict) -> None:
         import cProfile
 
         prof = cProfile.Profile()
-        prof.enable()
-    llm.generate(prompts, params, use_tqdm=False)
-    if cfg.get("profile"):
-        prof.disable()
+        prof.runcall(llm.generate, prompts, params, use_tqdm=False)
         prof.dump_stats(cfg["profile"])
-    if cfg.get("profile"):
         print("RESULT " + json.dumps({"steps": {}, "rows": []}))
         return
+    llm.generate(prompts, params, use_tqdm=False)
     steps = counter.steps["sample_tokens"] or 1
     rows = [{"phase": p, "kind": k, "name": n, "site": s, "per_step": c / steps}
             for (p, k, n, s), c in counter.ops.items()]
@@ -256,6 +246,7 @@ def main() -> None:
         return
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]
+    from mrv2_cpu_distribution import engine_env
     from tiny_models import build_draft_with_head_size, build_tiny_models
 
     from vllm_av.core.cost_model import CostModel
@@ -274,12 +265,7 @@ def main() -> None:
         if arm not in ARMS:
             sys.exit(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
     for rep, arm in ((r, a) for r in range(args.repeats) for a in arms):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1",
-                   VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_AV_TEST_CPU_ASYNC="1",
-                   VLLM_AV_DRAFTER_GRAPHS="0", VLLM_AV_CALIBRATE_COSTS="0",
-                   VLLM_AV_COST_TABLE=str(costs),
-                   **ARMS[arm]["env"])
+        env = engine_env(costs, **ARMS[arm]["env"])
         cfg = {"target": str(models.target), "draft": str(models.draft),
                "spec": ARMS[arm]["spec"], "requests": args.requests, "tokens": args.tokens,
                "count_ops": args.count_ops,
