@@ -67,7 +67,7 @@ if [[ "$MODE" == poll ]]; then
   t0=$(date +%s)
   while [[ ! -f $RES/DONE ]] && (( $(date +%s) - t0 < WAIT )); do sleep 10; done
   echo "== job.log (last 40 lines)"; tail -40 "$JOBLOG"
-  [[ -f $RES/side_by_side.log ]] && { echo "== side_by_side.log"; grep -a "^\[C=\|^\[cprofile\|^    [+-][0-9]\|started in\|Error" "$RES/side_by_side.log" | cut -c1-220 | tail -30; }
+  [[ -f $RES/side_by_side.log ]] && { echo "== side_by_side.log"; grep -a "^\[C=\|^\[cprofile\|^\[kernels\|^    [+-][0-9]\|started in\|Error" "$RES/side_by_side.log" | cut -c1-220 | tail -60; }
   for f in "$RES"/h200_*.log; do [[ -f $f ]] && { echo "== $f"; grep -a "^\[sweep" "$f" | tail -25; }; done
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   [[ -f $RES/DONE ]] && echo "ROUND DONE"

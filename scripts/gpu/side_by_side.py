@@ -26,7 +26,12 @@ Counts of the rejection sampler and the drafter's `propose` tell how many
 steps verified or drafted. With `--gpu-spans`, CUDA events time each
 step's GPU span as well (SPAN below): the step period less the span is
 the time the GPU idles, which a step could fill with drafts at no cost to
-its period.
+its period. After a concurrency's repeats, `--cprofile C` runs one more
+batch per arm under cProfile (host time per function per step) and
+`--kernel-profile C` one under torch.profiler (device time per kernel per
+step), each with every arm's difference from the first: where two
+engines' host phases or GPU spans differ, function by function and
+kernel by kernel.
 
 The JSON holds, per concurrency, arm and repeat: wall time, output tokens,
 tokens/s, steps, and per phase calls and ms per step; and the paired
@@ -246,6 +251,80 @@ def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path) -
     return rows
 
 
+def start_kernel_profile(worker) -> None:
+    """(In the engine process.) torch.profiler over the steps to come, host
+    ops and the GPU's kernels (graph replays' included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    worker._side_by_side_kprof = prof = profile(activities=activities)
+    prof.start()
+
+
+def stop_kernel_profile(worker, path: str) -> dict:
+    """(In the engine process.) Stop the profile, write its table by own
+    device time to `path`, and return name -> [calls, own device ms] for
+    every op or kernel with device time of its own."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = worker._side_by_side_kprof
+    prof.stop()
+    averages = prof.key_averages()
+    key = "self_device_time_total"
+    if averages and not hasattr(averages[0], key):  # older torch names it after CUDA
+        key = "self_cuda_time_total"
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by=key, row_limit=60))
+    return {e.key: [e.count, getattr(e, key) / 1e3] for e in averages if getattr(e, key) > 0}
+
+
+def kernel_diff(base: dict, other: dict, steps: tuple[int, int], top: int = 40) -> list:
+    """The kernels whose own device time per step differs most between two
+    `stop_kernel_profile` results of `steps` (base's, other's) steps (other
+    less base, ms per step), largest first."""
+    keys = set(base) | set(other)
+    zero = [0, 0.0]
+    per_step = [{k: [v[0] / n, v[1] / n] for k, v in rows.items()}
+                for rows, n in ((base, steps[0]), (other, steps[1]))]
+    diff = [(k, per_step[1].get(k, zero)[1] - per_step[0].get(k, zero)[1]) for k in keys]
+    diff.sort(key=lambda kv: -abs(kv[1]))
+    return [{"kernel": k, "device_ms_per_step_delta": d,
+             "base": per_step[0].get(k, zero), "other": per_step[1].get(k, zero)}
+            for k, d in diff[:top]]
+
+
+def kernel_profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path) -> dict:
+    """One more batch per arm under torch.profiler: each op's and kernel's
+    own device time per step (the table in `kernels_<arm>_c<C>.txt`), the
+    total, and each arm's difference from the first arm's."""
+    rows, every, steps = {}, {}, {}
+    c = len(prompts)
+    for name in arms:
+        llm = engines[name]
+        llm.collective_rpc(start_kernel_profile)
+        run = run_batch(llm, prompts, args.max_tokens)
+        path = str(out_dir / f"kernels_{name}_c{c}.txt")
+        every[name] = llm.collective_rpc(stop_kernel_profile, args=(path,))[0]
+        steps[name] = run["steps"]
+        total = sum(v[1] for v in every[name].values()) / run["steps"]
+        rows[name] = {"steps": run["steps"], "device_ms_per_step": total, "table": path}
+        print(f"[kernels C={c}] {name}: {run['steps']} steps, own device time "
+              f"{total:.3f} ms/step under the profiler; table in {path}", flush=True)
+    for name in arms[1:]:
+        rows[name][f"diff_over_{arms[0]}"] = d = kernel_diff(
+            every[arms[0]], every[name], (steps[arms[0]], steps[name]))
+        print(f"[kernels C={c}] {name} less {arms[0]}, own device ms per step:", flush=True)
+        for r in d[:25]:
+            print(f"    {r['device_ms_per_step_delta']:+.4f}  {r['kernel'][:110]}", flush=True)
+    return rows
+
+
 def load_prompts(paths: list[str]) -> list[str]:
     """The files' prompts taken in turn (one of each file, then the next),
     so that every batch mixes them."""
@@ -397,6 +476,11 @@ def main() -> None:
                    help="at concurrency C (one of --concurrency), after its repeats, one "
                         "more batch per arm under cProfile: own time per function per "
                         "step, and each arm's difference from the first, beside --out")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="C",
+                   help="at concurrency C (one of --concurrency), after its repeats, one "
+                        "more batch per arm under torch.profiler: own device time per "
+                        "op and kernel per step, and each arm's difference from the "
+                        "first, beside --out")
     p.add_argument("--enforce-eager", action="store_true",
                    help="engines without CUDA graphs or compilation (fast start-ups; "
                         "host costs of the forward are then the eager ones); arms "
@@ -421,8 +505,9 @@ def main() -> None:
         refusal = eager_refusal({n: arm_settings(n, args.draft, device)[0] for n in arms})
         if refusal:
             raise SystemExit(refusal)
-    if args.cprofile and args.cprofile not in args.concurrency:
-        raise SystemExit(f"--cprofile {args.cprofile}: not one of --concurrency")
+    for flag, c in (("--cprofile", args.cprofile), ("--kernel-profile", args.kernel_profile)):
+        if c and c not in args.concurrency:
+            raise SystemExit(f"{flag} {c}: not one of --concurrency")
     load_plugin_on()
     engines, info = {}, {}
     for name in arms:
@@ -458,6 +543,9 @@ def main() -> None:
                   f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
         if args.cprofile == c:
             result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
+                engines, arms, prompts, args, Path(args.out).resolve().parent)
+        if args.kernel_profile == c:
+            result["by_concurrency"][str(c)]["kernels"] = kernel_profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)
         with open(args.out, "w") as f:  # after each concurrency: a cut-off run keeps its part
             json.dump(result, f, indent=1)

@@ -172,3 +172,18 @@ def test_eager_engines_are_refused_up_front_for_arms_with_adaptive_verification(
         "nospec": None, "ours_v2g_d0": {"method": "draft_model",
                                         "enable_adaptive_verification": True}})
     assert "ours_v2g_d0" in why and "nospec" not in why
+
+
+def test_kernel_difference_is_per_step_of_each_arm_and_largest_first():
+    # base ran 100 steps, other 50: the same kernel at the same total device
+    # time costs twice as much per step in other.
+    base = {"gemm": [200, 100.0], "attn": [100, 20.0], "only_base": [100, 1.0]}
+    other = {"gemm": [100, 50.0], "attn": [50, 20.0], "only_other": [50, 5.0]}
+    diff = side_by_side.kernel_diff(base, other, steps=(100, 50))
+    by_kernel = {r["kernel"]: r for r in diff}
+    assert [r["kernel"] for r in diff][:2] == ["attn", "only_other"]
+    assert abs(by_kernel["only_other"]["device_ms_per_step_delta"] - 0.1) < 1e-12
+    assert abs(by_kernel["attn"]["device_ms_per_step_delta"] - 0.2) < 1e-12
+    assert by_kernel["gemm"]["device_ms_per_step_delta"] == 0.0
+    assert by_kernel["only_base"]["other"] == [0, 0.0]
+    assert by_kernel["gemm"]["base"] == [2.0, 1.0]

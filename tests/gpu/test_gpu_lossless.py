@@ -17,7 +17,9 @@ the holes depth-0 steps leave, with them caught up, and with the drafter
 run at depth 0; then the parts apart: alternating with every draft
 verified, and depth K on every step under trimming; and depths K, 0, 0
 in turn, whose last step verifies and drafts nothing and so ends as plain
-decoding. Four chi-square
+decoding; and the same cycle with target steps building no metadata for
+the draft's layers, with a draft whose heads differ from the target's.
+Four chi-square
 tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
@@ -59,15 +61,16 @@ SAMPLE = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
-    plain = [0]
+    plain, skipped_meta = [0], [0]
     if cfg.get("alternate_depth"):
         # Depths in a cycle, 0, K, 0, K, ... unless given (in-process engine
         # core): a schedule that reads no token, so the output must still
         # be the target's. Steps that end as plain decoding are counted.
         sys.path.insert(0, cfg["helpers"])
-        from forced_depth import count_plain_steps, force_depth_cycle
+        from forced_depth import count_draft_metadata_skips, count_plain_steps, force_depth_cycle
         force_depth_cycle(cfg.get("depth_cycle", "0,K"))
         plain = count_plain_steps()
+        skipped_meta = count_draft_metadata_skips()
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
               speculative_config={"method": "draft_model", "model": cfg["draft"],
@@ -77,6 +80,7 @@ SAMPLE = textwrap.dedent(
     sp = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], sp, use_tqdm=False)
     print(f"PLAIN_STEPS {plain[0]}")
+    print(f"DRAFT_METADATA_SKIPS {skipped_meta[0]}")
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids[:cfg["n_tokens"]]) for o in outs]))
     """
 )
@@ -148,8 +152,9 @@ def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     if counts is not None:
-        counts["plain_steps"] = int(next(l.split()[1] for l in proc.stdout.splitlines()
-                                         if l.startswith("PLAIN_STEPS ")))
+        for key in ("PLAIN_STEPS", "DRAFT_METADATA_SKIPS"):
+            counts[key.lower()] = int(next(l.split()[1] for l in proc.stdout.splitlines()
+                                           if l.startswith(key + " ")))
     return np.array(json.loads(lines[-1][len("RESULT "):]))
 
 
@@ -295,6 +300,31 @@ def test_our_av_on_model_runner_v2_with_plain_depth_zero_steps_matches_target_di
                                  alternate_depth="K,0,0", prompt=LONG_PROMPT)
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["plain_steps"] > 0 and stats["verified"] > 0, stats
+
+
+@pytest.fixture(scope="module")
+def models_draft_head64(models):
+    from tiny_models import build_draft_with_head_size
+
+    return build_draft_with_head_size(models, 64)
+
+
+def test_our_av_on_model_runner_v2_skipping_draft_layer_metadata_matches_target_distribution(
+        models_draft_head64, exact_long, cost_table, tmp_path):
+    """Option skip_draft_layer_metadata (vllm_av/vllm/mrv2/draft_metadata.py)
+    with a draft whose heads differ from the target's (one of 64 against
+    two of 32), so that its layers form attention groups of their own, as
+    the real pair's do: target steps build their metadata without them.
+    Depths K, 0, 0 in turn under trimming, so that such builds serve steps
+    that verify drafts, steps that draft, and plain steps. Same statistic,
+    sample size and threshold as above."""
+    pvals, stats = _sample_on_v2(models_draft_head64, exact_long, cost_table, tmp_path,
+                                 "MRV2, draft layers' metadata skipped, depths K/0/0",
+                                 {"VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1"},
+                                 alternate_depth="K,0,0", prompt=LONG_PROMPT)
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["draft_metadata_skips"] > 0, stats
+    assert stats["plain_steps"] > 0 and stats["verified"] > 0, stats
 
 
 def test_our_av_on_model_runner_v2_at_depth_k_trimmed_matches_target_distribution(

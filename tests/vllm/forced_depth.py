@@ -41,3 +41,21 @@ def count_plain_steps() -> list:
 
     plain_step.is_plain_step = counted
     return count
+
+
+def count_draft_metadata_skips() -> list:
+    """A one-item list holding how many target metadata builds on Model
+    Runner V2 left the draft's attention groups out (option
+    skip_draft_layer_metadata, vllm_av/vllm/mrv2/draft_metadata.py) so far."""
+    import vllm_av.vllm.mrv2.draft_metadata as draft_metadata
+
+    count = [0]
+    choose = draft_metadata.groups_to_build
+
+    def counted(model_state, attn_groups):
+        built = choose(model_state, attn_groups)
+        count[0] += built is not attn_groups
+        return built
+
+    draft_metadata.groups_to_build = counted
+    return count

@@ -253,3 +253,21 @@ def test_target_attention_groups_drops_only_draft_only_groups():
     assert target_attention_groups([[t, d, m, empty]], set(DRAFT)) == [[t, m, empty]]
     assert target_attention_groups([[t, m]], set(DRAFT)) is None  # nothing to drop
     assert target_attention_groups([[d]], set(DRAFT)) is None  # nothing would be left
+
+
+@pytest.mark.parametrize("skip, skips", [(True, 3), (False, 0)])
+def test_the_distribution_tests_count_of_skipping_builds(patched, skip, skips):
+    """tests/vllm/forced_depth.py's counter, which the GPU distribution
+    test asserts on: one per build that left the draft's groups out."""
+    import vllm_av.vllm.mrv2.draft_metadata as draft_metadata
+    from forced_depth import count_draft_metadata_skips
+
+    choose = draft_metadata.groups_to_build
+    try:
+        count = count_draft_metadata_skips()
+        state, groups = _model_state(_vllm_config(skip=skip)), _one_kv_group([])
+        for _ in range(3):
+            _prepare(state, groups)
+        assert count == [skips]
+    finally:
+        draft_metadata.groups_to_build = choose
