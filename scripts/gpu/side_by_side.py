@@ -281,7 +281,21 @@ def stop_kernel_profile(worker, path: str) -> dict:
         key = "self_cuda_time_total"
     with open(path, "w") as f:
         f.write(averages.table(sort_by=key, row_limit=60))
-    return {e.key: [e.count, getattr(e, key) / 1e3] for e in averages if getattr(e, key) > 0}
+    return own_device_times(averages, key)
+
+
+def own_device_times(events, key: str = "self_device_time_total") -> dict:
+    """name -> [calls, own device ms] over profiler averages `events`, for
+    those with device time of their own. Entries of one name are summed:
+    a Triton kernel's launch (host) and the kernel itself share a name."""
+    rows: dict = {}
+    for e in events:
+        us = getattr(e, key)
+        if us > 0:
+            row = rows.setdefault(e.key, [0, 0.0])
+            row[0] += e.count
+            row[1] += us / 1e3
+    return rows
 
 
 def kernel_diff(base: dict, other: dict, steps: tuple[int, int], top: int = 40) -> list:
