@@ -62,7 +62,8 @@ DEFAULT_CONCURRENCY = [1, 16, 32, 64, 128, 256]
 # uniform FULL graphs for depth-0 and depth-1 steps (the default since the
 # twenty-first round; _varlen turns them off: every step replays the
 # varlen graph); _skipmeta, target
-# steps build the target layers' attention metadata only; _catchup, the
+# steps build the target layers' attention metadata only (the default
+# since the twenty-sixth round; _fullmeta turns it off); _catchup, the
 # drafter's first forward after depth-0 steps runs over what they skipped;
 # _d0, _d1: every step drafts that depth (a measurement control: _d0 is
 # plain decoding through our V2 path); _ctx1k, the start-up profile's
@@ -73,6 +74,7 @@ V2_OPTION_SUFFIXES = {
     "_ugraphs": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "1"),
     "_varlen": ("VLLM_AV_UNIFORM_DECODE_GRAPHS", "0"),
     "_skipmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1"),
+    "_fullmeta": ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "0"),
     "_catchup": ("VLLM_AV_DRAFTER_CATCH_UP", "1"),
     "_noplain": ("VLLM_AV_PLAIN_ZERO_DRAFT_STEPS", "0"),
     "_d0": ("VLLM_AV_TEST_FIXED_DEPTH", "0"),
@@ -222,9 +224,9 @@ def make_arm(name: str, av_k: int = 7, device: str = "gpu",
                    ("--async-scheduling",))
     if base == "ours_async_skipmeta":
         # ... and the target forward's attention metadata built without the
-        # draft's layers (option skip_draft_layer_metadata).
+        # draft's layers (option skip_draft_layer_metadata_v1).
         return Arm(name, family, "ours", av_k, (("VLLM_AV_IMPL", "ours"), *v1,
-                                               ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1")),
+                                               ("VLLM_AV_SKIP_DRAFT_LAYER_METADATA_V1", "1")),
                    ("--async-scheduling",))
     if base == "ours_async_catchup":
         # ... and the draft KV caught up over skipped steps (option

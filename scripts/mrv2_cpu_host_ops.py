@@ -12,7 +12,8 @@ the model's forward, per decode step, and prints them by call site:
 
 Arms: `plain` (V2 without speculation), `ours_d0` (our V2 path with a
 draft model, depth forced to 0: the steps ours runs when it does not
-draft), `ours_d0_skipmeta` (the same with option skip_draft_layer_metadata),
+draft), `ours_d0_fullmeta` (the same with option skip_draft_layer_metadata
+off: target steps build the draft layers' attention metadata too),
 `ours_d0_noplain` (the same with option plain_zero_draft_steps off: steps
 that verify and draft nothing still go through vLLM's speculator
 bookkeeping) and `vllm_k1` (vLLM's draft-model speculation, K=1, for scale).
@@ -43,9 +44,9 @@ ARMS = {
                         "VLLM_AV_TEST_FIXED_DEPTH": "0"},
                 "spec": {"method": "draft_model", "num_speculative_tokens": 4,
                          "enable_adaptive_verification": True}},
-    "ours_d0_skipmeta": {"env": {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
+    "ours_d0_fullmeta": {"env": {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",
                                  "VLLM_AV_TEST_FIXED_DEPTH": "0",
-                                 "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1"},
+                                 "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "0"},
                          "spec": {"method": "draft_model", "num_speculative_tokens": 4,
                                   "enable_adaptive_verification": True}},
     "ours_d0_noplain": {"env": {"VLLM_AV_IMPL": "ours", "VLLM_AV_MRV2": "1",

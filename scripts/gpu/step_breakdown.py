@@ -96,14 +96,14 @@ def arm_config(arm: str, draft: str) -> tuple[dict | None, dict]:
                "enable_adaptive_verification": True}
     if arm in ("ours", "ours_plain", "ours_skipmeta", "vllm_av"):
         # ours_plain: ours with option async_plain_steps (with --async-scheduling);
-        # ours_skipmeta: with option skip_draft_layer_metadata
+        # ours_skipmeta: with option skip_draft_layer_metadata_v1
         spec = av_spec
         env = ({"VLLM_AV_IMPL": "ours", "VLLM_USE_V2_MODEL_RUNNER": "0"} if arm != "vllm_av"
                else {"VLLM_AV_IMPL": "vllm"})
         if arm == "ours_plain":
             env["VLLM_AV_ASYNC_PLAIN_STEPS"] = "1"
         if arm == "ours_skipmeta":
-            env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA"] = "1"
+            env["VLLM_AV_SKIP_DRAFT_LAYER_METADATA_V1"] = "1"
         return spec, env
     if arm == "ours_v2" or arm.startswith("ours_v2g") or re.fullmatch(r"k\d+g", arm):
         # Model Runner V2 arms with our drafter graphs or options: as the

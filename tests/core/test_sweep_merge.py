@@ -137,6 +137,10 @@ def test_arms_build_the_documented_speculative_configs():
     assert dict(sweep.make_arm("ours_v2g_ugraphs_skipmeta_d0").env) == {
         **graphs_env, "VLLM_AV_UNIFORM_DECODE_GRAPHS": "1",
         "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "1", "VLLM_AV_TEST_FIXED_DEPTH": "0"}
+    assert dict(sweep.make_arm("ours_v2g_fullmeta").env) == {
+        **graphs_env, "VLLM_AV_SKIP_DRAFT_LAYER_METADATA": "0"}
+    assert dict(sweep.make_arm("ours_async_skipmeta").env)[
+        "VLLM_AV_SKIP_DRAFT_LAYER_METADATA_V1"] == "1"
     assert dict(sweep.make_arm("ours_v2g_ctx1k").env) == {
         **graphs_env, "VLLM_AV_PROFILE_CONTEXT_LEN": "1024"}
     assert dict(sweep.make_arm("ngram_ours_v2_ugraphs").env) == {

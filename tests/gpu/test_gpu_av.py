@@ -195,7 +195,7 @@ def test_vllm_builtin_av_refuses_eager_mode_where_ours_starts():
 
 @pytest.mark.parametrize("adaptive_depth,async_scheduling,option", [
     ("1", False, None), ("0", False, None), ("1", True, None), ("1", True, "ASYNC_PLAIN_STEPS=0"),
-    ("0", False, "SKIP_DRAFT_LAYER_METADATA=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA=1")],
+    ("0", False, "SKIP_DRAFT_LAYER_METADATA_V1=1"), ("1", True, "SKIP_DRAFT_LAYER_METADATA_V1=1")],
     ids=["synchronous", "always_drafts", "async", "async_copying", "always_drafts_skipmeta",
          "async_skipmeta"])
 def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_depth,
@@ -211,7 +211,7 @@ def test_our_av_with_cuda_graphs_keeps_greedy_outputs(plain_outputs, adaptive_de
     the drafter; `async_copying` has those steps copy their sampled-token
     counts for vLLM's correction (async_plain_steps off). `*_skipmeta`: the
     target's attention metadata built without the draft's layers
-    (skip_draft_layer_metadata; the real pair's head sizes differ), with
+    (skip_draft_layer_metadata_v1; the real pair's head sizes differ), with
     the drafter running every step and as served."""
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K,
             "enable_adaptive_verification": True}

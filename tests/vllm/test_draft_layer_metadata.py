@@ -1,5 +1,5 @@
 """The target forward's attention metadata without the draft's layers
-(option skip_draft_layer_metadata, vllm_av/vllm/mrv1/draft_layer_metadata.py).
+(option skip_draft_layer_metadata_v1, vllm_av/vllm/mrv1/draft_layer_metadata.py).
 
 A tiny draft whose head size differs from the target's (as Qwen2.5-Coder
 0.5B's from 1.5B's) puts its layers in attention groups of their own. With
@@ -43,7 +43,7 @@ def run(models, tmp, skip: bool | None) -> tuple[list, int, int, dict | None, li
         mp.setenv("VLLM_AV_ADAPTIVE_DEPTH", "0")
         mp.setenv("VLLM_AV_METRICS_INTERVAL", "1")
         mp.setenv("VLLM_AV_METRICS_DIR", str(tmp / "metrics"))
-        mp.setenv("VLLM_AV_SKIP_DRAFT_LAYER_METADATA", "1" if skip else "0")
+        mp.setenv("VLLM_AV_SKIP_DRAFT_LAYER_METADATA_V1", "1" if skip else "0")
         build = AttentionGroup.build_metadata
         mp.setattr(AttentionGroup, "build_metadata",
                    lambda self, *a, **kw: builds.append(tuple(self.layer_names)) or build(
@@ -124,7 +124,7 @@ class _Runner:
 
         from vllm_av.vllm.config import ADDITIONAL_CONFIG_KEY, AVOptions
 
-        options = AVOptions(skip_draft_layer_metadata=True)
+        options = AVOptions(skip_draft_layer_metadata_v1=True)
         self.vllm_config = SimpleNamespace(
             additional_config={ADDITIONAL_CONFIG_KEY: options.to_dict()})
         self.drafter = SimpleNamespace(_draft_attn_layer_names={"draft.0", "draft.1"},

@@ -89,12 +89,14 @@ class _Group:
 
 
 def _vllm_config(skip=True, method="draft_model", kv_transfer_config=None, unknown=()):
+    """skip None: our options' defaults."""
     layers = {n: SimpleNamespace(is_draft_layer=False) for n in TARGET}
     layers.update({n: SimpleNamespace(is_draft_layer=True) for n in DRAFT})
     for n in unknown:
         layers.pop(n)
     return SimpleNamespace(
-        additional_config={ADDITIONAL_CONFIG_KEY: AVOptions(skip_draft_layer_metadata=skip).to_dict()},
+        additional_config={ADDITIONAL_CONFIG_KEY: (
+            AVOptions() if skip is None else AVOptions(skip_draft_layer_metadata=skip)).to_dict()},
         speculative_config=SimpleNamespace(method=method),
         kv_transfer_config=kv_transfer_config,
         compilation_config=SimpleNamespace(static_forward_context=layers),
@@ -162,6 +164,16 @@ def test_option_on_builds_the_target_groups_only_at_every_step(patched):
         assert set(metadata) == set(TARGET)
     assert log == [("target", "build")] * 3
     assert [g.builder.name for g in groups[0]] == ["target", "draft"]  # left as vLLM holds it
+
+
+def test_as_served_target_steps_build_the_target_groups_only(patched):
+    # On by default on V2 since the twenty-sixth H200 round; V1's own
+    # option stays off until its GPU test passes.
+    log = []
+    state, groups = _model_state(_vllm_config(skip=None)), _one_kv_group(log)
+    assert set(_prepare(state, groups)) == set(TARGET)
+    assert log == [("target", "build")]
+    assert AVOptions().skip_draft_layer_metadata_v1 is False
 
 
 def test_negative_control_option_off_builds_the_draft_groups_too(patched):

@@ -53,7 +53,7 @@ def target_attention_groups(runner):
     result = None
     # A drafter with attention groups of its own builds its layers'
     # metadata itself (vLLM's SpecDecodeBaseProposer).
-    if (options is not None and options.skip_draft_layer_metadata and draft_layers
+    if (options is not None and options.skip_draft_layer_metadata_v1 and draft_layers
             and getattr(drafter, "draft_attn_groups", None)):
         kept = [[g for g in per_kv if not set(g.layer_names) <= draft_layers]
                 for per_kv in groups]
@@ -75,7 +75,7 @@ class DraftLayerMetadataPatch(VllmPatch):
         every step although only the target forward reads the runner's
         metadata and the drafter builds its own; with FlashAttention 3 each
         build also reads a value from the device.
-    How: when our option `skip_draft_layer_metadata` is on and the call is
+    How: when our option `skip_draft_layer_metadata_v1` is on and the call is
         not a CUDA graph capture, call the original with the runner's
         `attn_groups` cut to groups holding a target layer
         (`target_attention_groups`: decided once per set of groups, keyed on
