@@ -201,3 +201,13 @@ def test_own_device_times_sum_the_entries_that_share_a_name():
           SimpleNamespace(key="gemm", count=10, self_device_time_total=2000.0)]
     rows = side_by_side.own_device_times(ev)
     assert rows == {"triton_red_fused_rms_norm_2": [7028, 16.1], "gemm": [10, 2.0]}
+
+
+def test_cpu_lists_parse_and_bad_ones_are_refused():
+    import pytest
+
+    assert side_by_side.parse_cpus("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert side_by_side.parse_cpus("5") == {5}
+    for bad in ("a-3", "4-2", "1-", "-3"):
+        with pytest.raises(SystemExit, match="--cpus"):
+            side_by_side.parse_cpus(bad)
