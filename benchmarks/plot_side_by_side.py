@@ -1,0 +1,73 @@
+"""PNG plot of a side-by-side run (scripts/gpu/side_by_side.py): each arm's
+paired tokens/s over the first arm against concurrency, the median of the
+repeats with their min-max range as a bar. The line at 1 is the first arm
+(usually no speculation); a bar that crosses it ranks nothing.
+
+    python benchmarks/plot_side_by_side.py <run>/side_by_side.json [out.png]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def ratio_series(result: dict) -> tuple[str, dict[str, list[tuple[int, float, float, float]]]]:
+    """(first arm, arm -> [(C, median, min, max)] by concurrency) from a
+    side-by-side result."""
+    by_c = {int(c): v["summary"] for c, v in result["by_concurrency"].items() if "summary" in v}
+    arms = list(result["arms"])
+    base = arms[0]
+    key = f"tok_s_over_{base}"
+    series: dict[str, list] = {}
+    for c in sorted(by_c):
+        for arm in arms[1:]:
+            s = by_c[c].get(arm, {}).get(key)
+            if s:
+                series.setdefault(arm, []).append((c, s["median"], s["min"], s["max"]))
+    return base, series
+
+
+def plot(result: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, series = ratio_series(result)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    n = max(len(series), 1)
+    for i, (arm, pts) in enumerate(series.items()):
+        # Arms side by side around each concurrency, so the bars do not overlap.
+        shift = 2 ** ((i - (n - 1) / 2) * 0.08)
+        cs = [p[0] * shift for p in pts]
+        med = [p[1] for p in pts]
+        err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+        ax.errorbar(cs, med, yerr=err, marker="o", capsize=4, linewidth=1.8, label=arm)
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log", base=2)
+    concurrencies = sorted({p[0] for pts in series.values() for p in pts})
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel(f"tokens/s over {base} (paired; median, min-max)")
+    ax.set_title(f"{result.get('machine', {}).get('device', '')}, "
+                 f"{result.get('repeats', '?')} repeats, {result.get('date', '')}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit(__doc__)
+    path = Path(sys.argv[1])
+    out = Path(sys.argv[2]) if len(sys.argv) == 3 else path.with_name("ratios.png")
+    print(plot(json.loads(path.read_text()), out))
+
+
+if __name__ == "__main__":
+    main()

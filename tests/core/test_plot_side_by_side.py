@@ -1,0 +1,41 @@
+"""The side-by-side plot (benchmarks/plot_side_by_side.py): each arm's
+paired ratios over the first arm, by concurrency, from the run's JSON."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import plot_side_by_side  # noqa: E402
+
+
+def _result():
+    def summary(med, lo, hi):
+        return {"tok_s_over_nospec": {"median": med, "min": lo, "max": hi}}
+
+    return {
+        "arms": {"nospec": {}, "ours": {}, "other": {}},
+        "machine": {"device": "test"}, "repeats": 3, "date": "today",
+        "by_concurrency": {
+            "64": {"summary": {"ours": summary(0.9, 0.8, 1.1), "other": summary(1.2, 1.1, 1.3)}},
+            "1": {"summary": {"ours": summary(1.0, 0.9, 1.05)}},
+            "16": {"runs": {}},  # cut off before its summary
+        },
+    }
+
+
+def test_series_are_by_concurrency_and_over_the_first_arm():
+    base, series = plot_side_by_side.ratio_series(_result())
+    assert base == "nospec"
+    assert series == {"ours": [(1, 1.0, 0.9, 1.05), (64, 0.9, 0.8, 1.1)],
+                      "other": [(64, 1.2, 1.1, 1.3)]}
+
+
+def test_the_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = plot_side_by_side.plot(_result(), tmp_path / "ratios.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
