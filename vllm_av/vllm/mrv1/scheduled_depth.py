@@ -53,8 +53,8 @@ def scan_running(running) -> tuple[list, bool, bool]:
     whether the step holds prompt tokens: a chunk of a long prompt, or a
     new or resumed request whose computed tokens are short of its prompt).
     Called once a step over every running request, so it iterates in C
-    (map, any) rather than in a Python loop: a third of the time at 256
-    requests. Seeds count among decoding requests only."""
+    (map, any) rather than in a Python loop: 62 against 110 us at 256
+    requests on a 2-core CPU. Seeds count among decoding requests only."""
     prompt = any(map(_CHUNK, running)) or any(
         map(operator.lt, map(_COMPUTED, running), map(_PROMPT_LEN, running)))
     if prompt:  # rare: a step with prompt tokens
