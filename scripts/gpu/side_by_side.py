@@ -34,11 +34,16 @@ engines' host phases or GPU spans differ, function by function and
 kernel by kernel. `--cpus` confines the driver and every engine to the
 same CPUs: engine processes of one run have stepped at host speeds up to
 28% apart in vLLM's own phases (`update_from_output`), which pinning tells
-apart from placement.
+apart from placement. An arm named `<arm>_twin` is a second engine with
+`<arm>`'s settings: its ratio over `<arm>` is what two identical engines
+read apart, the floor under every other ratio. Each batch also records
+what the machine's CPUs did meanwhile (how many were busy, the
+hypervisor's steal, the clock), to tell a slow batch's cause.
 
 The JSON holds, per concurrency, arm and repeat: wall time, output tokens,
 tokens/s, steps, and per phase calls and ms per step; and the paired
-ratios of each arm over the first (median over repeats, min-max).
+ratios of each arm over the first (median over repeats, min-max, and a
+90% bootstrap interval of the median).
 Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set here) for the timers'
 functions to reach the engine processes. With one GPU the worker lives in
 the engine-core process, beside the scheduler; where vLLM runs workers in
@@ -355,12 +360,16 @@ def load_prompts(paths: list[str]) -> list[str]:
     return texts
 
 
+TWIN = "_twin"
+
+
 def arm_settings(name: str, draft: str, device: str) -> tuple[dict | None, dict, dict]:
     """(speculative config, environment, LLM keyword arguments) of the
-    sweep's arm `name`."""
+    sweep's arm `name`; `<arm>_twin` is a second engine with `<arm>`'s
+    settings (a null control: its ratio over `<arm>` is the noise)."""
     import sweep
 
-    arm = sweep.make_arm(name, device=device)
+    arm = sweep.make_arm(name.removesuffix(TWIN), device=device)
     kwargs = {}
     if "--async-scheduling" in arm.args:
         kwargs["async_scheduling"] = True
@@ -450,26 +459,88 @@ def build_engine(name: str, args, device: str):
                  "start_s": start_s, "wrapped": wrapped, "cpus": cpus}
 
 
+def host_sample() -> dict:
+    """The machine's CPU time counters (/proc/stat, in ticks) and the mean
+    clock of the CPUs this process may run on (/proc/cpuinfo), where the
+    platform has them."""
+    out = {"t": time.perf_counter()}
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        # user nice system idle iowait irq softirq steal
+        ticks = [int(x) for x in fields[:8]] + [0] * (8 - len(fields[:8]))
+        out["total"], out["idle"], out["steal"] = sum(ticks), ticks[3] + ticks[4], ticks[7]
+    except (OSError, ValueError):
+        pass
+    try:
+        mine, cpu, mhz = os.sched_getaffinity(0), None, []
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(val)
+                elif key == "cpu MHz" and cpu in mine:
+                    mhz.append(float(val))
+        if mhz:
+            out["mhz"] = statistics.fmean(mhz)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def host_during(before: dict, after: dict, ncpu: int) -> dict:
+    """What the machine's CPUs did between two `host_sample`s: how many
+    were busy on average (all processes, the idle engines' included), the
+    share of time the hypervisor gave to others (steal), and the clock at
+    the end."""
+    out = {}
+    if "total" in before and "total" in after and after["total"] > before["total"]:
+        total = after["total"] - before["total"]
+        out["busy_cpus"] = ncpu * (1 - (after["idle"] - before["idle"]) / total)
+        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / total
+    if "mhz" in after:
+        out["mhz"] = after["mhz"]
+    return out
+
+
 def run_batch(llm, prompts, max_tokens: int) -> dict:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     llm.collective_rpc(take_totals)  # drop what the warm-up or the last batch left
+    h0 = host_sample()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
+    host = host_during(h0, host_sample(), os.cpu_count() or 1)
     totals = llm.collective_rpc(take_totals)[0]
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = totals.get(STEP_PHASE, [0, 0.0])[0] or 1
     return {"wall_s": wall, "output_tokens": ntok, "tok_s": ntok / wall, "steps": steps,
-            "ms_per_step": wall * 1e3 / steps,
+            "ms_per_step": wall * 1e3 / steps, "host": host,
             "phases": {ph: {"calls": n, "ms_per_step": ms / steps}
                        for ph, (n, ms) in totals.items()}}
 
 
+def median_interval(values: list[float], level: float = 0.9, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median (seeded, so a summary
+    is reproducible from its runs): with few repeats a wide interval says
+    the median ranks nothing."""
+    import random
+
+    rng, n = random.Random(seed), len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
+
+
 def summarise(runs: dict, arms: list[str]) -> dict:
     """Per arm: median tokens/s, ms per step and phase ms per step over
-    repeats; the paired ratio of tokens/s over the first arm."""
+    repeats; the paired ratio of tokens/s over the first arm (median,
+    min-max, a 90% bootstrap interval of the median)."""
     base = arms[0]
     out = {}
     for arm in arms:
@@ -484,8 +555,10 @@ def summarise(runs: dict, arms: list[str]) -> dict:
                    r["phases"].get(p, {}).get("calls", 0) for r in reps) for p in phases}}
         if arm != base:
             ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(reps, runs[base])]
+            lo, hi = median_interval(ratios)
             row[f"tok_s_over_{base}"] = {"median": statistics.median(ratios),
-                                         "min": min(ratios), "max": max(ratios)}
+                                         "min": min(ratios), "max": max(ratios),
+                                         "ci90": [lo, hi]}
         out[arm] = row
     return out
 
@@ -576,17 +649,19 @@ def main() -> None:
                 run = run_batch(engines[name], prompts, args.max_tokens)
                 run["repeat"], run["position"] = r, order.index(name)
                 runs[name].append(run)
-                ph = run["phases"]
+                ph, host = run["phases"], run["host"]
                 print(f"[C={c} r={r}] {name}: {run['tok_s']:,.0f} tok/s, "
                       f"{run['ms_per_step']:.2f} ms/step; "
-                      + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items())),
+                      + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items()))
+                      + "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()),
                       flush=True)
         summary = summarise(runs, arms)
         result["by_concurrency"][str(c)] = {"runs": runs, "summary": summary}
         for name in arms[1:]:
             s = summary[name][f"tok_s_over_{arms[0]}"]
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
-                  f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
+                  f"({s['min']:.3f}-{s['max']:.3f}; 90% interval of the median "
+                  f"{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f})", flush=True)
         if args.cprofile == c:
             result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)

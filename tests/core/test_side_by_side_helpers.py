@@ -67,6 +67,8 @@ def test_ratios_are_paired_per_repeat_over_the_first_arm():
     assert abs(r["median"] - 1.5) < 1e-9
     assert abs(r["min"] - 1 / 3) < 1e-9 and abs(r["max"] - 1.9) < 1e-9
     assert abs(s["ours"]["tok_s"] / s["plain"]["tok_s"] - 0.95) < 1e-9  # the unpaired reading
+    lo, hi = r["ci90"]
+    assert lo <= r["median"] <= hi
     assert "tok_s_over_plain" not in s["plain"]
 
 
@@ -211,3 +213,44 @@ def test_cpu_lists_parse_and_bad_ones_are_refused():
     for bad in ("a-3", "4-2", "1-", "-3"):
         with pytest.raises(SystemExit, match="--cpus"):
             side_by_side.parse_cpus(bad)
+
+
+def test_a_twin_arm_has_its_arms_settings():
+    import pytest
+
+    pytest.importorskip("sweep")
+    for name in ("nospec", "ours_served", "ours_v2g_d0"):
+        assert side_by_side.arm_settings(name + "_twin", "d", "gpu") == \
+            side_by_side.arm_settings(name, "d", "gpu")
+    assert side_by_side.arm_settings("nospec", "d", "gpu") != \
+        side_by_side.arm_settings("ours_served", "d", "gpu")
+
+
+def test_host_use_during_a_batch_is_read_from_the_cpu_counters():
+    before = {"total": 1000, "idle": 600, "steal": 10, "mhz": 2000.0}
+    after = {"total": 2000, "idle": 1350, "steal": 60, "mhz": 2400.0}
+    h = side_by_side.host_during(before, after, ncpu=8)
+    # 1000 ticks, 750 of them idle: a quarter busy of 8 CPUs; 50 stolen.
+    assert abs(h["busy_cpus"] - 2.0) < 1e-9
+    assert abs(h["steal_pct"] - 5.0) < 1e-9
+    assert h["mhz"] == 2400.0
+    assert side_by_side.host_during({}, {}, ncpu=8) == {}  # a platform without them
+    live = side_by_side.host_sample()
+    assert "t" in live
+
+
+def test_the_median_interval_holds_the_median_and_narrows_with_repeats():
+    import random
+
+    rng = random.Random(1)
+    few = [rng.gauss(1.0, 0.2) for _ in range(7)]
+    many = few + [rng.gauss(1.0, 0.2) for _ in range(93)]
+    lo7, hi7 = side_by_side.median_interval(few)
+    lo100, hi100 = side_by_side.median_interval(many)
+    import statistics
+    assert lo7 <= statistics.median(few) <= hi7
+    assert lo100 <= statistics.median(many) <= hi100
+    assert hi100 - lo100 < 0.5 * (hi7 - lo7)
+    assert side_by_side.median_interval(few) == (lo7, hi7)  # seeded
+    # Identical ratios leave no doubt.
+    assert side_by_side.median_interval([1.02] * 5) == (1.02, 1.02)
