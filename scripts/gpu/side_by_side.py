@@ -34,9 +34,11 @@ engines' host phases or GPU spans differ, function by function and
 kernel by kernel. `--cpus` confines the driver and every engine to the
 same CPUs: engine processes of one run have stepped at host speeds up to
 28% apart in vLLM's own phases (`update_from_output`), which pinning tells
-apart from placement. An arm named `<arm>_twin` is a second engine with
-`<arm>`'s settings: its ratio over `<arm>` is what two identical engines
-read apart, the floor under every other ratio. Each batch also records
+apart from placement. An arm named `<arm>_twin` (or `_twin2`, ...)
+is one more engine with `<arm>`'s settings: its ratio over `<arm>` is what
+identical engines read apart, the floor under every other ratio; with
+twins the JSON also holds each arm's engines side by side (`groups`:
+each engine's median, their spread, the groups' ratio). Each batch also records
 what the machine's CPUs did meanwhile (how many were busy, the
 hypervisor's steal, the clock), to tell a slow batch's cause.
 
@@ -57,6 +59,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -360,16 +363,22 @@ def load_prompts(paths: list[str]) -> list[str]:
     return texts
 
 
-TWIN = "_twin"
+TWIN = re.compile(r"_twin\d*$")
+
+
+def base_arm(name: str) -> str:
+    """The sweep arm an engine runs: `<arm>_twin`, `<arm>_twin2`, ... are
+    more engines with `<arm>`'s settings."""
+    return TWIN.sub("", name)
 
 
 def arm_settings(name: str, draft: str, device: str) -> tuple[dict | None, dict, dict]:
     """(speculative config, environment, LLM keyword arguments) of the
-    sweep's arm `name`; `<arm>_twin` is a second engine with `<arm>`'s
-    settings (a null control: its ratio over `<arm>` is the noise)."""
+    sweep's arm `name` (or of its base arm, for a twin: a null control whose
+    ratio over its base is the noise)."""
     import sweep
 
-    arm = sweep.make_arm(name.removesuffix(TWIN), device=device)
+    arm = sweep.make_arm(base_arm(name), device=device)
     kwargs = {}
     if "--async-scheduling" in arm.args:
         kwargs["async_scheduling"] = True
@@ -563,6 +572,36 @@ def summarise(runs: dict, arms: list[str]) -> dict:
     return out
 
 
+def summarise_groups(runs: dict, arms: list[str]) -> dict:
+    """With several engines per arm (twins): per base arm, each engine's
+    median tokens/s and their spread (max / min: how far identical engines
+    read apart for the whole run), and the ratio of the group's mean of
+    engine medians over the first group's. An engine process keeps its host
+    speed for its life (the twenty-seventh round read identical engines 11%
+    apart, the 90% interval of the median excluding 1), so the engine, not
+    the batch, is the unit a difference between arms must be judged by."""
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        groups.setdefault(base_arm(arm), []).append(arm)
+    medians = {g: [statistics.median(r["tok_s"] for r in runs[a]) for a in members]
+               for g, members in groups.items()}
+    base = next(iter(groups))
+    out = {}
+    for g, members in groups.items():
+        meds = medians[g]
+        row = {"engines": members, "tok_s_median_per_engine": meds,
+               "engine_spread": max(meds) / min(meds)}
+        if g != base:
+            row[f"tok_s_over_{base}"] = statistics.fmean(meds) / statistics.fmean(medians[base])
+            # Where each of this group's engines falls against the base
+            # group's engines: below all, among them, or above all.
+            lo, hi = min(medians[base]), max(medians[base])
+            row[f"engines_against_{base}"] = ["below" if m < lo else "above" if m > hi
+                                               else "among" for m in meds]
+        out[g] = row
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="nospec,ours_v2g_d0,ours_served",
@@ -657,6 +696,17 @@ def main() -> None:
                       flush=True)
         summary = summarise(runs, arms)
         result["by_concurrency"][str(c)] = {"runs": runs, "summary": summary}
+        if len({base_arm(a) for a in arms}) < len(arms):
+            groups = summarise_groups(runs, arms)
+            result["by_concurrency"][str(c)]["groups"] = groups
+            for g, row in groups.items():
+                print(f"[C={c}] {g}: {len(row['engines'])} engine(s), medians "
+                      + ", ".join(f"{m:,.0f}" for m in row["tok_s_median_per_engine"])
+                      + f" tok/s (spread {row['engine_spread']:.3f})"
+                      + "".join(f"; {k} {v:.3f}" if isinstance(v, float) else f"; {k} {v}"
+                                for k, v in row.items() if k.startswith(("tok_s_over",
+                                                                         "engines_against"))),
+                      flush=True)
         for name in arms[1:]:
             s = summary[name][f"tok_s_over_{arms[0]}"]
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "

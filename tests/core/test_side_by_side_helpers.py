@@ -254,3 +254,21 @@ def test_the_median_interval_holds_the_median_and_narrows_with_repeats():
     assert side_by_side.median_interval(few) == (lo7, hi7)  # seeded
     # Identical ratios leave no doubt.
     assert side_by_side.median_interval([1.02] * 5) == (1.02, 1.02)
+
+
+def test_twins_group_under_their_arm_and_the_engine_is_the_unit():
+    # Two nospec engines 10% apart for the whole run; two ours engines that
+    # sit between them. Batch by batch ours reads 0.95 of the first nospec
+    # engine, which the groups put in its place: among nospec's engines.
+    runs = {"nospec": [_run(100), _run(102), _run(98)],
+            "nospec_twin": [_run(110), _run(112), _run(108)],
+            "ours": [_run(95), _run(97), _run(93)],
+            "ours_twin2": [_run(106), _run(104), _run(105)]}
+    arms = list(runs)
+    assert [side_by_side.base_arm(a) for a in arms] == ["nospec", "nospec", "ours", "ours"]
+    g = side_by_side.summarise_groups(runs, arms)
+    assert g["nospec"]["tok_s_median_per_engine"] == [100, 110]
+    assert abs(g["nospec"]["engine_spread"] - 1.1) < 1e-9
+    assert abs(g["ours"]["tok_s_over_nospec"] - 100 / 105) < 1e-9
+    assert g["ours"]["engines_against_nospec"] == ["below", "among"]
+    assert "tok_s_over_nospec" not in g["nospec"]
