@@ -62,9 +62,11 @@ def plot(result: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    if len(sys.argv) not in (2, 3):
+    if len(sys.argv) not in (2, 3) or sys.argv[1].startswith("-"):
         raise SystemExit(__doc__)
     path = Path(sys.argv[1])
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (a side_by_side.py --out JSON)")
     out = Path(sys.argv[2]) if len(sys.argv) == 3 else path.with_name("ratios.png")
     print(plot(json.loads(path.read_text()), out))
 

@@ -67,7 +67,8 @@ if [[ "$MODE" == poll ]]; then
   t0=$(date +%s)
   while [[ ! -f $RES/DONE ]] && (( $(date +%s) - t0 < WAIT )); do sleep 10; done
   echo "== job.log (last 40 lines)"; tail -40 "$JOBLOG"
-  [[ -f $RES/side_by_side.log ]] && { echo "== side_by_side.log"; grep -a "^\[C=\|^\[cprofile\|^\[kernels\|^    [+-][0-9]\|started in\|Error" "$RES/side_by_side.log" | cut -c1-220 | tail -60; }
+  sbs=$(ls -t "$RES"/side_by_side*.log 2>/dev/null | head -1)  # the latest run's
+  [[ -n $sbs ]] && { echo "== ${sbs##*/}"; grep -a "^\[C=\|^\[cprofile\|^\[kernels\|^    [+-][0-9]\|started in\|Error" "$sbs" | cut -c1-220 | tail -60; }
   for f in "$RES"/h200_*.log; do [[ -f $f ]] && { echo "== $f"; grep -a "^\[sweep" "$f" | tail -25; }; done
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   [[ -f $RES/DONE ]] && echo "ROUND DONE"
@@ -174,16 +175,20 @@ breakdown() {  # breakdown <gpu>
 # (scripts/gpu/side_by_side.py): paired throughput ratios and each engine's
 # host time per step by phase. SIDE_BY_SIDE: the arms (ratios over the
 # first), SIDE_BY_SIDE_CONC: the concurrencies, SIDE_BY_SIDE_ARGS: more
-# arguments (--gpu-spans: each step's GPU span from CUDA events).
+# arguments (--gpu-spans: each step's GPU span from CUDA events),
+# SIDE_BY_SIDE_TIMEOUT: its limit in seconds (default 1200; six engines
+# start in about 10 minutes), SIDE_BY_SIDE_NAME: its files' name (default
+# side_by_side; a second run on the same machine keeps the first's).
 side_by_side() {
   [[ -z ${SIDE_BY_SIDE:-} ]] && return 0
-  log "side by side: $SIDE_BY_SIDE"
+  local name=${SIDE_BY_SIDE_NAME:-side_by_side}
+  log "side by side: $SIDE_BY_SIDE ($name)"
   # SIDE_BY_SIDE_TABLE: a cost table for the ours arms (no start-up profile).
   env ${SIDE_BY_SIDE_TABLE:+VLLM_AV_COST_TABLE=$SIDE_BY_SIDE_TABLE} \
-    timeout 1200 python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
+    timeout "${SIDE_BY_SIDE_TIMEOUT:-1200}" python3 scripts/gpu/side_by_side.py --arms "$SIDE_BY_SIDE" \
     --concurrency "${SIDE_BY_SIDE_CONC:-1,16,32,64,128,256}" --repeats "${SIDE_BY_SIDE_REPEATS:-5}" \
-    ${SIDE_BY_SIDE_ARGS:-} --out "$RES/side_by_side.json" > "$RES/side_by_side.log" 2>&1
-  log "side by side exit $?"; grep -a "^\[C=[0-9]*\] " "$RES/side_by_side.log" | tail -24
+    ${SIDE_BY_SIDE_ARGS:-} --out "$RES/$name.json" > "$RES/$name.log" 2>&1
+  log "side by side exit $?"; grep -a "^\[C=[0-9]*\] " "$RES/$name.log" | tail -24
 }
 
 mrv2_smoke() {  # mrv2_smoke <gpu>
