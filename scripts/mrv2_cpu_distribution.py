@@ -7,13 +7,15 @@ process so that V2's Triton kernels run under Triton's interpreter and our
 V2 patches (normally CUDA-only) serve the flag: the manager, estimator,
 adaptive depth, depth-0 steps that skip the drafter and the drafter's
 catch-up. It samples the tiny random-weight pair of the CPU distribution
-test at temperature 1 and prints the chi-square p-values of the first
+test (or, with `--method eagle`, the tiny target with a random EAGLE
+head, V2's EAGLE speculator) at temperature 1 and prints the chi-square p-values of the first
 three tokens against the exact target distribution, with our /metrics
 counters. A check before spending GPU time, not a substitute for the GPU
 test (tests/gpu/test_gpu_lossless.py): no CUDA graphs, float32, CPU
 attention, eager drafter.
 
     python scripts/mrv2_cpu_distribution.py --n 1024 --variant catch_up --trim
+    python scripts/mrv2_cpu_distribution.py --n 256 --method eagle --trim
 
 About 8 minutes for 1,024 samples on two cores. Interpreter stand-ins:
 masks of mixed dtypes are cast to bool, and libdevice's log1p (the one
@@ -151,10 +153,11 @@ def engine(cfg: dict) -> None:
 
     from vllm import SamplingParams
 
-    llm = start_engine(cfg["target"], {"method": "draft_model", "model": cfg["draft"],
-                                       "num_speculative_tokens": cfg["k"],
-                                       "draft_sample_method": "probabilistic",
-                                       "enable_adaptive_verification": True}, managers)
+    spec = {"method": cfg.get("method", "draft_model"), "model": cfg["draft"],
+            "num_speculative_tokens": cfg["k"], "enable_adaptive_verification": True}
+    if spec["method"] == "draft_model":
+        spec["draft_sample_method"] = "probabilistic"
+    llm = start_engine(cfg["target"], spec, managers)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
                         use_tqdm=False)
@@ -173,6 +176,9 @@ def main() -> None:
     ap.add_argument("--depth-cycle", default="0,K",
                     help="the depths forced in turn, K for K (K,0,0: the last step verifies "
                          "and drafts nothing, so it ends as plain decoding)")
+    ap.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
+                    help="the drafter: the tiny draft model, or a random tiny EAGLE head "
+                         "over the target's hidden states (V2's EAGLE speculator)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -181,13 +187,15 @@ def main() -> None:
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]
     from test_lossless_cpu import K, LONG_PROMPT, NUM_TOKENS, PROMPT, p_values
-    from tiny_models import build_tiny_models, first_tokens_distribution
+    from tiny_models import build_eagle_draft, build_tiny_models, first_tokens_distribution
 
     from vllm_av.core.cost_model import CostModel
     from vllm_av.vllm.metrics import read_snapshot
 
     work = Path(tempfile.mkdtemp(prefix="mrv2_cpu_"))
     models = build_tiny_models(work / "models")
+    if args.method == "eagle":
+        models = build_eagle_draft(models)
     prompt = PROMPT if args.short_prompt else LONG_PROMPT
     costs = work / "costs.json"
     costs.write_text(CostModel.from_samples(TRIM_COSTS if args.trim else FLAT_COSTS,
@@ -196,8 +204,9 @@ def main() -> None:
                      VLLM_AV_METRICS_DIR=str(work / "metrics"), VLLM_AV_METRICS_INTERVAL="1",
                      **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
-           "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle}
-    print(f"[mrv2-cpu] {args.variant}, depths {args.depth_cycle}, "
+           "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle,
+           "method": args.method}
+    print(f"[mrv2-cpu] {args.method}, {args.variant}, depths {args.depth_cycle}, "
           f"{'trimming' if args.trim else 'no trimming'}, "
           f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
           flush=True)
@@ -212,7 +221,8 @@ def main() -> None:
 
     tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
     exact = first_tokens_distribution(models.target, prompt, NUM_TOKENS).numpy()
-    print(json.dumps({"variant": args.variant, "trim": args.trim, "prompt_len": len(prompt),
+    print(json.dumps({"method": args.method, "variant": args.variant, "trim": args.trim,
+                      "prompt_len": len(prompt),
                       "depth_cycle": args.depth_cycle, "plain_steps": plain[-1],
                       "n": len(tokens), "p_values": p_values(tokens, exact),
                       "av_counters": read_snapshot(str(work / "metrics"))}))

@@ -18,8 +18,9 @@ run at depth 0; then the parts apart: alternating with every draft
 verified, and depth K on every step under trimming; and depths K, 0, 0
 in turn, whose last step verifies and drafts nothing and so ends as plain
 decoding; and the same cycle with target steps building no metadata for
-the draft's layers, with a draft whose heads differ from the target's.
-Four chi-square
+the draft's layers, with a draft whose heads differ from the target's;
+and with V2's EAGLE speculator (a random tiny EAGLE head) instead of the
+draft model. Four chi-square
 tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
@@ -73,9 +74,10 @@ SAMPLE = textwrap.dedent(
         skipped_meta = count_draft_metadata_skips()
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
-              speculative_config={"method": "draft_model", "model": cfg["draft"],
+              speculative_config={"method": cfg["method"], "model": cfg["draft"],
                                   "num_speculative_tokens": cfg["k"],
-                                  "draft_sample_method": "probabilistic",
+                                  **({"draft_sample_method": "probabilistic"}
+                                     if cfg["method"] == "draft_model" else {}),
                                   "enable_adaptive_verification": True})
     sp = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], sp, use_tqdm=False)
@@ -128,9 +130,10 @@ def flat_cost_table(tmp_path_factory):
 def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
            async_scheduling: bool | None = False, env_extra: dict | None = None,
            alternate_depth: bool | str = False, prompt: list[int] = PROMPT,
-           counts: dict | None = None) -> np.ndarray:
+           counts: dict | None = None, method: str = "draft_model") -> np.ndarray:
     """`alternate_depth`: True for depths 0, K in turn, or the cycle as
-    "K,0,0"; `counts` gets the steps that ended as plain decoding there."""
+    "K,0,0"; `counts` gets the steps that ended as plain decoding there;
+    `method`: the drafter (`eagle`: `models.draft` is an EAGLE head)."""
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_AV_IMPL="ours",
                VLLM_AV_COST_TABLE=str(cost_table), VLLM_AV_CALIBRATE_COSTS="0",
                VLLM_AV_METRICS_DIR=str(metrics_dir),
@@ -142,7 +145,7 @@ def sample(models, cost_table, metrics_dir, lossy: bool, dtype: str,
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": NUM_SAMPLES, "n_tokens": NUM_TOKENS, "dtype": dtype,
-           "async": async_scheduling, "alternate_depth": bool(alternate_depth),
+           "async": async_scheduling, "alternate_depth": bool(alternate_depth), "method": method,
            "helpers": str(HERE.parent / "vllm")}
     if isinstance(alternate_depth, str):
         cfg["depth_cycle"] = alternate_depth
@@ -204,7 +207,7 @@ def test_our_av_on_model_runner_v2_matches_target_distribution(models, exact, co
 
 
 def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_depth=False,
-                  prompt=PROMPT):
+                  prompt=PROMPT, method="draft_model"):
     """Samples through our AV on Model Runner V2 in bfloat16 with `env`
     set: (p-values against `exact`, the distribution after `prompt`; our
     metrics snapshot, with the plain steps counted under a forced depth
@@ -215,7 +218,7 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
     tokens = sample(models, cost_table, tmp_path / "metrics", lossy=False, dtype="bfloat16",
                     async_scheduling=None, alternate_depth=alternate_depth, prompt=prompt,
                     env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_AV_MRV2": "1", **env},
-                    counts=counts)
+                    counts=counts, method=method)
     pvals = p_values(tokens, exact)
     stats = read_snapshot(str(tmp_path / "metrics"))
     if stats is not None:
@@ -223,6 +226,20 @@ def _sample_on_v2(models, exact, cost_table, tmp_path, label, env, alternate_dep
     print(f"GPU AV on {label} (bfloat16): N={len(tokens)} chi-square p-values {pvals}; "
           f"AV counters {stats}")
     return pvals, stats
+
+
+def test_our_av_on_model_runner_v2_with_an_eagle_head_matches_target_distribution(
+        models, exact, cost_table, tmp_path):
+    """vLLM's V2 EAGLE speculator (a random tiny EAGLE head over the
+    target's hidden states, tests/vllm/tiny_models.py) under our V2 manager,
+    estimator and budget, with CUDA graphs, as served: every step drafts K
+    (V2's EAGLE has no depth seam of ours) and the budget trims."""
+    from tiny_models import build_eagle_draft
+
+    pvals, stats = _sample_on_v2(build_eagle_draft(models), exact, cost_table, tmp_path,
+                                 "MRV2 with EAGLE", {}, method="eagle")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["verified"] > 0 and stats["trimmed"] > 0, stats
 
 
 # Depth forced to alternate 0, K on Model Runner V2 with depth 0 skipping

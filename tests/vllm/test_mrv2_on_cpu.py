@@ -1,4 +1,5 @@
-"""Our Model Runner V2 path end to end on the CPU (scripts/mrv2_cpu_distribution.py).
+"""Our Model Runner V2 path end to end on the CPU (scripts/mrv2_cpu_distribution.py),
+with the draft model and with an EAGLE head.
 
 vLLM 0.32's V2 runner with its Triton kernels interpreted, our V2 patches
 serving the flag (manager, estimator, adaptive depth with the depth forced
@@ -25,13 +26,17 @@ pytest.importorskip("scipy.stats")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_our_v2_path_with_catch_up_runs_on_the_cpu_and_keeps_the_distribution():
+def run_script(*args: str) -> dict:
+    """scripts/mrv2_cpu_distribution.py with `args`: its JSON summary."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "mrv2_cpu_distribution.py"), "--n", "256",
-         "--variant", "catch_up", "--trim"],
+        [sys.executable, str(ROOT / "scripts" / "mrv2_cpu_distribution.py"), *args],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_our_v2_path_with_catch_up_runs_on_the_cpu_and_keeps_the_distribution():
+    result = run_script("--n", "256", "--variant", "catch_up", "--trim")
     stats = result["av_counters"]
     print(result)
     assert stats["zero_depth_steps"] > 0 and stats["depth_steps"] > stats["zero_depth_steps"]
@@ -44,15 +49,24 @@ def test_steps_that_verify_and_draft_nothing_end_as_plain_decoding_on_the_cpu():
     verifies nothing and drafts nothing, so it runs vLLM's sample_tokens
     with the speculator hidden (vllm_av/vllm/mrv2/plain_step.py); the
     depth-K drafts around it are still verified and trimmed."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "mrv2_cpu_distribution.py"), "--n", "256",
-         "--variant", "holes", "--trim", "--depth-cycle", "K,0,0"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script("--n", "256", "--variant", "holes", "--trim", "--depth-cycle", "K,0,0")
     stats = result["av_counters"]
     print(result)
     assert result["plain_steps"] > 0, result
     # Admitted and trimmed are counted when a step is budgeted; verified
     # reaches the snapshot a budgeted step later.
     assert stats["zero_depth_steps"] > 0 and stats["admitted"] > 0 and stats["trimmed"] > 0, stats
+
+
+def test_our_v2_path_serves_an_eagle_drafter_on_the_cpu():
+    """vLLM's V2 EAGLE speculator (a random tiny EAGLE head over the
+    target's hidden states) under our V2 manager and estimator: its drafts
+    are sized by our budget (trimmed), verified, and their outcomes fitted.
+    V2's EAGLE has no depth seam of ours, so every step drafts K (no depth
+    choices are counted)."""
+    result = run_script("--n", "256", "--method", "eagle", "--trim")
+    stats = result["av_counters"]
+    print(result)
+    assert result["method"] == "eagle"
+    assert stats["trimmed"] > 0 and stats["verified"] > 0, stats
+    assert stats["depth_steps"] == 0 and stats["zero_depth_steps"] == 0, stats

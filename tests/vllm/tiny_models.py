@@ -11,6 +11,9 @@ Draft: the same architecture and weights plus Gaussian noise (relative
 to each tensor's spread), so its distributions are close to the target's
 but not equal: draft acceptance is neither 0 nor 1.
 
+EAGLE head (`build_eagle_draft`): one random decoder layer over the
+target's hidden states, for tests of the EAGLE drafter's path.
+
 Tokenizer: a `tokenizers` WordLevel model whose vocabulary is the special
 tokens plus made-up words; saved as tokenizer.json + tokenizer_config.json
 so that vLLM (and transformers) load it with no download. Tests feed token
@@ -195,6 +198,38 @@ def build_draft_with_head_size(models: TinyModels, head_size: int, seed: int = S
         build_tokenizer(draft_dir, models.vocab_size)
         LlamaForCausalLM(config).float().save_pretrained(draft_dir, safe_serialization=True)
     return TinyModels(models.target, draft_dir, models.vocab_size)
+
+
+def build_eagle_draft(models: TinyModels, seed: int = SEED) -> TinyModels:
+    """A random-weight EAGLE head for the tiny target, in the layout vLLM's
+    `EagleLlamaForCausalLM` loads: `fc` (the token's embedding and the
+    target's hidden state, concatenated, to the hidden size) and one Llama
+    decoder layer; the embedding and the lm_head are the target's (vLLM
+    shares them where the head has none). Random, so its drafts are
+    accepted about as often as a random token would be: what it exercises
+    is the drafter's path through our AV, not its quality."""
+    from safetensors.torch import save_file
+
+    eagle_dir = models.draft.parent / "eagle"
+    if not (eagle_dir / "model.safetensors").exists():
+        config = _llama_config(models.vocab_size)
+        config.num_hidden_layers = 1
+        config.architectures = ["LlamaForCausalLM"]
+        eagle_dir.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(eagle_dir, models.vocab_size)
+        config.save_pretrained(eagle_dir)
+        gen = torch.Generator().manual_seed(seed + 1)
+        H, inner = config.hidden_size, config.intermediate_size
+        shapes = {"fc": (H, 2 * H), "layers.0.self_attn.q_proj": (H, H),
+                  "layers.0.self_attn.k_proj": (H, H), "layers.0.self_attn.v_proj": (H, H),
+                  "layers.0.self_attn.o_proj": (H, H), "layers.0.mlp.gate_proj": (inner, H),
+                  "layers.0.mlp.up_proj": (inner, H), "layers.0.mlp.down_proj": (H, inner)}
+        weights = {f"{name}.weight": torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+                   for name, shape in shapes.items()}
+        # EAGLE's first layer has no input norm; the one after attention stays.
+        weights["layers.0.post_attention_layernorm.weight"] = torch.ones(H)
+        save_file(weights, str(eagle_dir / "model.safetensors"))
+    return TinyModels(models.target, eagle_dir, models.vocab_size)
 
 
 _MODEL_CACHE: dict[str, object] = {}
