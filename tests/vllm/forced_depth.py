@@ -26,21 +26,27 @@ def force_depth_cycle(spec: str = "0,K") -> None:
     AdaptiveVerifier.choose_depth = choose_depth
 
 
+def _count(module, name: str, hit) -> list:
+    """Wrap `module.name` so that each call whose result makes
+    `hit(result, *args)` true is counted; a one-item list holds the count."""
+    count = [0]
+    original = getattr(module, name)
+
+    def counted(*args):
+        result = original(*args)
+        count[0] += bool(hit(result, *args))
+        return result
+
+    setattr(module, name, counted)
+    return count
+
+
 def count_plain_steps() -> list:
     """A one-item list holding how many steps ended as plain decoding on
     Model Runner V2 (vllm_av/vllm/mrv2/plain_step.py) so far."""
     import vllm_av.vllm.mrv2.plain_step as plain_step
 
-    count = [0]
-    decide = plain_step.is_plain_step
-
-    def counted(state):
-        plain = decide(state)
-        count[0] += plain
-        return plain
-
-    plain_step.is_plain_step = counted
-    return count
+    return _count(plain_step, "is_plain_step", lambda plain, state: plain)
 
 
 def count_draft_metadata_skips() -> list:
@@ -49,13 +55,5 @@ def count_draft_metadata_skips() -> list:
     skip_draft_layer_metadata, vllm_av/vllm/mrv2/draft_metadata.py) so far."""
     import vllm_av.vllm.mrv2.draft_metadata as draft_metadata
 
-    count = [0]
-    choose = draft_metadata.groups_to_build
-
-    def counted(model_state, attn_groups):
-        built = choose(model_state, attn_groups)
-        count[0] += built is not attn_groups
-        return built
-
-    draft_metadata.groups_to_build = counted
-    return count
+    return _count(draft_metadata, "groups_to_build",
+                  lambda built, model_state, attn_groups: built is not attn_groups)
