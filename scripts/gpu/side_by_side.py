@@ -32,9 +32,9 @@ batch per arm under cProfile (host time per function per step) and
 step), each with every arm's difference from the first: where two
 engines' host phases or GPU spans differ, function by function and
 kernel by kernel. `--cpus` confines the driver and every engine to the
-same CPUs: engine processes of one run have stepped at host speeds up to
-28% apart in vLLM's own phases (`update_from_output`), which pinning tells
-apart from placement. An arm named `<arm>_twin` (or `_twin2`, ...)
+same CPUs (engine processes of one run stepped at host speeds up to 28%
+apart in vLLM's own phases; pinned, identical engines still read 12-16%
+apart, twenty-seventh round). An arm named `<arm>_twin` (or `_twin2`, ...)
 is one more engine with `<arm>`'s settings: its ratio over `<arm>` is what
 identical engines read apart, the floor under every other ratio; with
 twins the JSON also holds each arm's engines side by side (`groups`:
@@ -549,7 +549,9 @@ def median_interval(values: list[float], level: float = 0.9, resamples: int = 20
 def summarise(runs: dict, arms: list[str]) -> dict:
     """Per arm: median tokens/s, ms per step and phase ms per step over
     repeats; the paired ratio of tokens/s over the first arm (median,
-    min-max, a 90% bootstrap interval of the median)."""
+    min-max, a 90% bootstrap interval of the median). The interval is over
+    batches of these two engines: what separates engine processes of the
+    same settings is not in it (`summarise_groups`)."""
     base = arms[0]
     out = {}
     for arm in arms:
