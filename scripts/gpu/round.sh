@@ -230,7 +230,8 @@ if [[ "${JOB_KIND:-start}" == side ]]; then
 fi
 if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # The short round on one GPU, one thing at a time, correctness first:
-  # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then the sweep of
+  # LOSSLESS=1 the distribution tests (LOSSLESS_TESTS), then SIDE_BY_SIDE,
+  # whose long run can then only cut itself short, then the sweep of
   # ARMS side by side (the engine test against AFTER_ARMS' live servers,
   # default every arm of ours; INTERLEAVE=1 benches each concurrency over
   # all arms in turn; SHARED_TABLE=1 starts the first ours arm alone and
@@ -245,8 +246,8 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
     BREAKDOWN_CONC=${BREAKDOWN_CONC:-64,256} BREAKDOWN_TRACE= BREAKDOWN_ARMS=$1 breakdown 0
   }
   breakdowns_of "${BREAKDOWN_FIRST:-}"
-  side_by_side
   [[ -n ${LOSSLESS:-} ]] && lossless_test
+  side_by_side
   if [[ ${ARMS:-} != none ]]; then  # ARMS=none: no sweep
     OUTPUT_LEN=${OUTPUT_LEN:-512} RUN=${RUN_NAME:-h200_focus} \
       ARMS=${ARMS:-ours_served,nospec} QUIET=${QUIET:-none} main_sweep
