@@ -51,8 +51,12 @@ def plot(result: dict, out: Path) -> Path:
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel(f"tokens/s over {base} (paired; median, min-max)")
+    # A summary rebuilt from a cut-off run's log counts full repeats per C.
+    per_c = {c: v["repeats"] for c, v in result["by_concurrency"].items() if "repeats" in v}
+    repeats = (", ".join(f"C={c}: {n}" for c, n in per_c.items()) if per_c
+               else result.get("repeats", "?"))
     ax.set_title(f"{result.get('machine', {}).get('device', '')}, "
-                 f"{result.get('repeats', '?')} repeats, {result.get('date', '')}")
+                 f"{repeats} repeats, {result.get('date', '')}")
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -38,14 +38,18 @@ apart, twenty-seventh round). An arm named `<arm>_twin` (or `_twin2`, ...)
 is one more engine with `<arm>`'s settings: its ratio over `<arm>` is what
 identical engines read apart, the floor under every other ratio; with
 twins the JSON also holds each arm's engines side by side (`groups`:
-each engine's median, their spread, the groups' ratio). Each batch also records
+each engine's median, their spread, the groups' ratio, and the pooled
+ratio per repeat: the geometric mean of a group's engines over the first
+group's, batch by batch, with its interval over repeats). Each batch also records
 what the machine's CPUs did meanwhile (how many were busy, the
 hypervisor's steal, the clock), to tell a slow batch's cause.
 
 The JSON holds, per concurrency, arm and repeat: wall time, output tokens,
 tokens/s, steps, and per phase calls and ms per step; and the paired
 ratios of each arm over the first (median over repeats, min-max, and a
-90% bootstrap interval of the median).
+90% bootstrap interval of the median). It is written after every repeat,
+so a run cut off keeps its batches; `--summarise-log LOG` rebuilds the
+summaries from a run's log alone (over the repeats every arm finished).
 Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set here) for the timers'
 functions to reach the engine processes. With one GPU the worker lives in
 the engine-core process, beside the scheduler; where vLLM runs workers in
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -600,8 +605,86 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
             lo, hi = min(medians[base]), max(medians[base])
             row[f"engines_against_{base}"] = ["below" if m < lo else "above" if m > hi
                                                else "among" for m in meds]
+            ratios = pooled_ratios_by_repeat(runs, members, groups[base])
+            if ratios:
+                lo, hi = median_interval(ratios)
+                row[f"tok_s_over_{base}_by_repeat"] = {
+                    "median": statistics.median(ratios), "min": min(ratios),
+                    "max": max(ratios), "ci90": [lo, hi], "repeats": len(ratios)}
         out[g] = row
     return out
+
+
+def pooled_ratios_by_repeat(runs: dict, members: list[str], base_members: list[str]) -> list:
+    """Per repeat in which every engine of both groups ran: the geometric
+    mean of the group's tokens/s over the base group's. A repeat's batches
+    run back to back, so the host's drift over minutes cancels as in a
+    paired ratio, and the mean over engines dilutes what each engine's own
+    host speed adds; the interval over repeats then covers both, as far as
+    the engines sampled do."""
+    def by_repeat(arm):
+        return {r.get("repeat", i): r["tok_s"] for i, r in enumerate(runs[arm])}
+
+    tables = {a: by_repeat(a) for a in members + base_members}
+    common = sorted(set.intersection(*(set(t) for t in tables.values())))
+
+    def geomean(arms, r):
+        return math.exp(statistics.fmean(math.log(tables[a][r]) for a in arms))
+
+    return [geomean(members, r) / geomean(base_members, r) for r in common]
+
+
+LOG_LINE = re.compile(r"\[C=(\d+) r=(\d+)\] (\w+): ([\d,.]+) tok/s, ([\d.]+) ms/step; (.*)")
+
+
+def _pairs(text: str) -> dict:
+    return {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", text)}
+
+
+def runs_from_log(lines) -> dict:
+    """{concurrency: {arm: [run, ...]}} from a run's log lines (the line
+    printed after every batch): tokens/s, ms per step, phase ms per step
+    and the host's readings, for a run cut off before it wrote a
+    concurrency's JSON. Arms in their order of first appearance."""
+    out: dict = {}
+    for line in lines:
+        m = LOG_LINE.match(line)
+        if not m:
+            continue
+        c, r, arm, tok_s, ms, rest = m.groups()
+        phases_text, _, host_text = rest.partition("; host ")
+        out.setdefault(int(c), {}).setdefault(arm, []).append({
+            "tok_s": float(tok_s.replace(",", "")), "ms_per_step": float(ms),
+            "repeat": int(r), "host": _pairs(host_text),
+            "phases": {k: {"ms_per_step": v} for k, v in _pairs(phases_text).items()}})
+    return out
+
+
+def summarise_log(path: str) -> dict:
+    """The JSON's summaries rebuilt from a log (`runs_from_log`), over the
+    repeats in which every arm ran; arms ordered as in the log. The run's
+    command, date, machine and arms are taken from the JSON beside the log
+    (same name, `.json`) where the run wrote one."""
+    with open(path, errors="replace") as f:
+        by_c = runs_from_log(f)
+    arms_seen = [a for runs in by_c.values() for a in runs]
+    result = {"from_log": os.path.basename(path), "arms": list(dict.fromkeys(arms_seen))}
+    beside = Path(path).with_suffix(".json")
+    if beside.is_file():
+        run = json.loads(beside.read_text())
+        result.update({k: run[k] for k in ("command", "date", "machine", "arms", "max_tokens",
+                                           "repeats") if k in run})
+    result["by_concurrency"] = {}
+    for c, runs in by_c.items():
+        arms = list(runs)
+        full = set.intersection(*({r["repeat"] for r in runs[a]} for a in arms))
+        runs = {a: sorted((r for r in runs[a] if r["repeat"] in full),
+                          key=lambda r: r["repeat"]) for a in arms}
+        entry = {"runs": runs, "repeats": len(full), "summary": summarise(runs, arms)}
+        if len({base_arm(a) for a in arms}) < len(arms):
+            entry["groups"] = summarise_groups(runs, arms)
+        result["by_concurrency"][str(c)] = entry
+    return result
 
 
 def main() -> None:
@@ -639,8 +722,25 @@ def main() -> None:
                    help="engines without CUDA graphs or compilation (fast start-ups; "
                         "host costs of the forward are then the eager ones); arms "
                         "without adaptive verification only")
+    p.add_argument("--summarise-log", metavar="LOG",
+                   help="start no engine: rebuild the summaries from LOG, a run's log "
+                        "(one that was cut off before it wrote its JSON), into --out")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.summarise_log:
+        if not os.path.isfile(args.summarise_log):
+            raise SystemExit(f"--summarise-log {args.summarise_log}: no such file")
+        result = summarise_log(args.summarise_log)
+        if not result["by_concurrency"]:
+            raise SystemExit(f"--summarise-log {args.summarise_log}: no batch lines in it")
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        for c, entry in result["by_concurrency"].items():
+            print(f"[C={c}] {entry['repeats']} full repeats; " + "; ".join(
+                f"{g} {row[k]['median']:.3f} ({row[k]['ci90'][0]:.3f}-{row[k]['ci90'][1]:.3f})"
+                for g, row in entry.get("groups", {}).items() for k in row
+                if k.endswith("_by_repeat")))
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if not args.target or not args.draft:
         raise SystemExit("--target and --draft (or TARGET_MODEL and DRAFT_MODEL) are needed")
@@ -696,6 +796,10 @@ def main() -> None:
                       + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items()))
                       + "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()),
                       flush=True)
+            # After each repeat: a run cut off mid-concurrency keeps its batches.
+            result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1}
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
         summary = summarise(runs, arms)
         result["by_concurrency"][str(c)] = {"runs": runs, "summary": summary}
         if len({base_arm(a) for a in arms}) < len(arms):
@@ -707,7 +811,11 @@ def main() -> None:
                       + f" tok/s (spread {row['engine_spread']:.3f})"
                       + "".join(f"; {k} {v:.3f}" if isinstance(v, float) else f"; {k} {v}"
                                 for k, v in row.items() if k.startswith(("tok_s_over",
-                                                                         "engines_against"))),
+                                                                         "engines_against"))
+                                and not k.endswith("_by_repeat"))
+                      + "".join(f"; per repeat {v['median']:.3f} (90% interval of the "
+                                f"median {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})"
+                                for k, v in row.items() if k.endswith("_by_repeat")),
                       flush=True)
         for name in arms[1:]:
             s = summary[name][f"tok_s_over_{arms[0]}"]

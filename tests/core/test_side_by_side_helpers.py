@@ -272,3 +272,83 @@ def test_twins_group_under_their_arm_and_the_engine_is_the_unit():
     assert abs(g["ours"]["tok_s_over_nospec"] - 100 / 105) < 1e-9
     assert g["ours"]["engines_against_nospec"] == ["below", "among"]
     assert "tok_s_over_nospec" not in g["nospec"]
+
+
+def test_the_pooled_ratio_per_repeat_cancels_drift_and_engine_speed():
+    # The host drifts by repeat (x1.0, x0.6, x1.3) for every engine alike;
+    # each engine keeps a speed of its own (nospec's 1.00/1.10/0.95, ours'
+    # 1.05/0.95/1.00, so both groups' geometric means are about equal) and
+    # ours' settings cost 5%. Per repeat the pooled ratio is then exactly
+    # 0.95 times the ratio of the engines' geometric means, whatever the drift.
+    drift = [1.0, 0.6, 1.3]
+    nospec = {"nospec": 1.00, "nospec_twin": 1.10, "nospec_twin2": 0.95}
+    ours = {"ours": 1.05, "ours_twin": 0.95, "ours_twin2": 1.00}
+    runs = {a: [dict(_run(1000 * s * d), repeat=r) for r, d in enumerate(drift)]
+            for a, s in nospec.items()}
+    runs.update({a: [dict(_run(950 * s * d), repeat=r) for r, d in enumerate(drift)]
+                 for a, s in ours.items()})
+    g = side_by_side.summarise_groups(runs, list(runs))
+    expect = 0.95 * (1.05 * 0.95 * 1.00 / (1.00 * 1.10 * 0.95)) ** (1 / 3)
+    row = g["ours"]["tok_s_over_nospec_by_repeat"]
+    assert row["repeats"] == 3
+    assert abs(row["median"] - expect) < 1e-9 and abs(row["min"] - expect) < 1e-9
+    # A repeat that one engine missed is left out, not paired with another's.
+    runs["ours_twin"] = runs["ours_twin"][:2]
+    g = side_by_side.summarise_groups(runs, list(runs))
+    assert g["ours"]["tok_s_over_nospec_by_repeat"]["repeats"] == 2
+
+
+LOG = """\
+[nospec] started in 99 s on 8 CPUs; timers on {}
+[C=64 r=0] nospec: 14,000 tok/s, 4.50 ms/step; schedule 1.00, sample_tokens 0.80; host busy_cpus 1.4, steal_pct 0.0, mhz 2100.0
+[C=64 r=0] nospec_twin: 12,000 tok/s, 5.00 ms/step; schedule 1.10, sample_tokens 0.90; host busy_cpus 1.5, steal_pct 0.0, mhz 2100.0
+[C=64 r=0] ours: 13,000 tok/s, 4.80 ms/step; schedule 1.05, sample_tokens 0.95, propose 0.02; host busy_cpus 1.4, steal_pct 0.0, mhz 2100.0
+[C=64 r=1] nospec_twin: 11,000 tok/s, 5.20 ms/step; schedule 1.20, sample_tokens 0.90; host busy_cpus 1.5, steal_pct 0.0, mhz 2100.0
+[C=64 r=1] ours: 12,100 tok/s, 5.00 ms/step; schedule 1.10, sample_tokens 0.95; host busy_cpus 1.4, steal_pct 0.0, mhz 2100.0
+[C=64 r=1] nospec: 12,500 tok/s, 4.90 ms/step; schedule 1.05, sample_tokens 0.85; host busy_cpus 1.4, steal_pct 0.0, mhz 2100.0
+[C=64] nospec: 2 engine(s), medians 13,250, 11,500 tok/s (spread 1.152)
+[C=256 r=0] nospec: 26,000 tok/s, 9.40 ms/step; schedule 3.40; host busy_cpus 1.7, steal_pct 0.0, mhz 2100.0
+[C=256 r=0] nospec_twin: 21,000 tok/s, 12.00 ms/step; schedule 4.40; host busy_cpus 1.5, steal_pct 0.0, mhz 2100.0
+"""
+
+
+def test_a_cut_off_run_is_summarised_from_its_log_over_full_repeats(tmp_path):
+    log = tmp_path / "side_by_side.log"
+    log.write_text(LOG)
+    runs = side_by_side.runs_from_log(LOG.splitlines())
+    assert list(runs[64]) == ["nospec", "nospec_twin", "ours"]  # order of first appearance
+    first = runs[64]["ours"][0]
+    assert first["tok_s"] == 13000 and first["ms_per_step"] == 4.8 and first["repeat"] == 0
+    assert first["phases"]["propose"] == {"ms_per_step": 0.02}
+    assert first["host"] == {"busy_cpus": 1.4, "steal_pct": 0.0, "mhz": 2100.0}
+    result = side_by_side.summarise_log(str(log))
+    c64 = result["by_concurrency"]["64"]
+    assert c64["repeats"] == 2
+    # Paired per repeat although the log's order rotates: 13000/14000, 12100/12500.
+    ratio = c64["summary"]["ours"]["tok_s_over_nospec"]
+    assert abs(ratio["min"] - 13000 / 14000) < 1e-9 and abs(ratio["max"] - 12100 / 12500) < 1e-9
+    pooled = c64["groups"]["ours"]["tok_s_over_nospec_by_repeat"]
+    assert abs(pooled["min"] - 13000 / (14000 * 12000) ** 0.5) < 1e-9
+    assert abs(pooled["max"] - 12100 / (12500 * 11000) ** 0.5) < 1e-9
+    # C=256 holds one repeat of two arms: summarised over that repeat.
+    assert result["by_concurrency"]["256"]["repeats"] == 1
+    assert "date" not in result
+    # The run's own JSON beside the log lends its command, date and machine.
+    (tmp_path / "side_by_side.json").write_text(json.dumps(
+        {"date": "2026-12-03", "machine": {"device": "H200"}, "by_concurrency": {}}))
+    result = side_by_side.summarise_log(str(log))
+    assert result["date"] == "2026-12-03" and result["machine"] == {"device": "H200"}
+    assert result["by_concurrency"]["64"]["repeats"] == 2
+
+
+def test_the_log_summary_refuses_a_missing_file_or_one_without_batches(tmp_path):
+    import subprocess
+
+    script = Path(side_by_side.__file__)
+    empty = tmp_path / "empty.log"
+    empty.write_text("[round] nothing ran\n")
+    for path, message in ((tmp_path / "none.log", "no such file"), (empty, "no batch lines")):
+        proc = subprocess.run([sys.executable, str(script), "--summarise-log", str(path),
+                               "--out", str(tmp_path / "out.json")],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
