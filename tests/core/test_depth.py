@@ -527,14 +527,17 @@ def test_budget_sizing_reads_the_corrected_table():
     assert full == 64 * K and trimmed < full
 
 
-def _best_depth_by_search(v: AdaptiveVerifier, rows, num_sampling, num_other_tokens) -> int:
-    """Reference: the budget search at every depth, shallowest on ties."""
+def _best_depth_by_search(v: AdaptiveVerifier, rows, num_sampling, num_other_tokens,
+                          margin: float = 0.0) -> int:
+    """Reference: the budget search at every depth, shallowest on ties;
+    depth 0 unless the best depth beats its rate by 1 + `margin`."""
     from vllm_av.core.budget import best_budget
 
     R = rows.shape[0]
     rates = [best_budget(rows[:, :d].ravel(), num_sampling, num_other_tokens, R,
                          v.cost.at_depth(d, K))[1] for d in range(K + 1)]
-    return int(np.argmax(rates))
+    d = int(np.argmax(rates))
+    return d if d == 0 or rates[d] >= rates[0] * (1 + margin) else 0
 
 
 def test_the_one_sort_depth_search_decides_as_a_budget_search_per_depth(monkeypatch):
@@ -575,7 +578,10 @@ def test_the_one_sort_depth_search_decides_as_a_budget_search_per_depth(monkeypa
             decisions.append(want)
             draft = [float(v.cost.at_depth(d, K).draft_cost(R)) for d in range(K + 1)]
             d, rate = budget_mod.best_depth(rows, R, R, draft, v.cost)
-            assert d == want and v._search_depth(rows, R, R) == want
+            assert d == want
+            # The verifier's search holds depth 0 within its entry margin.
+            assert v._search_depth(rows, R, R) == _best_depth_by_search(
+                v, rows, R, R, margin=v.depth_entry_margin)
             ref = budget_mod.best_budget(rows[:, :d].ravel(), R, R, R, v.cost.at_depth(d, K))[1]
             assert rate == ref
             monkeypatch.setattr(budget_mod.np, "argsort", unsorted)
@@ -717,3 +723,26 @@ def test_exploration_time_share_counts_the_verification_of_its_drafts():
     explore = sum(step_ms(K) - step_ms(0) for d in depths if d == K)
     assert depths.count(K) >= 1
     assert explore / total <= EXPLORE_MAX_TIME_SHARE * 1.2, (explore / total, depths.count(K))
+
+
+def test_drafting_must_beat_plain_decoding_by_the_entry_margin():
+    """One request, plain steps 2.0 ms, drafting 1.6 ms a position. With
+    first-position acceptance 0.83, depth 1 yields 1.83 tokens in 3.6 ms:
+    1.7% above plain decoding's 0.5 a ms, inside the 3% margin, so depth 0;
+    at 0.9 (5.6% above) the policy drafts. Without the margin (the negative
+    control) it drafts in both, as the plain argmax would."""
+    from vllm_av.core.budget import best_depth
+    from vllm_av.core.verifier import DEPTH_ENTRY_MARGIN
+
+    assert DEPTH_ENTRY_MARGIN == pytest.approx(0.03)
+    v = _verifier(draft_ms=7 * 1.6, verify={1: [2.0], 64: [2.0]})
+    v.cost.free_zero_depth = True
+    draft = [float(v.cost.at_depth(d, K).draft_cost(1)) for d in range(K + 1)]
+    for a, with_margin in ((0.83, 0), (0.9, 1)):
+        rows = np.array([[a ** (i + 1) for i in range(K)]])
+        d_plain, rate = best_depth(rows, 1, 1, draft, v.cost)
+        assert d_plain >= 1 and rate > 0.5  # drafting beats plain decoding at all
+        assert (v._search_depth(rows, 1, 1) > 0) == bool(with_margin)
+        v.depth_entry_margin = 0.0
+        assert v._search_depth(rows, 1, 1) == d_plain
+        v.depth_entry_margin = DEPTH_ENTRY_MARGIN

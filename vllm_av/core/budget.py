@@ -98,6 +98,7 @@ def best_depth(
     num_other_tokens: int,
     draft_costs,
     cost,
+    entry_margin: float = 0.0,
 ) -> tuple[int, float]:
     """The drafting depth d in 0..D (D = len(draft_costs) - 1) whose budget
     reaches the best rate: `best_budget` with the first d columns of `rows`
@@ -105,7 +106,9 @@ def best_depth(
     the shallower depth. Every depth at once, from one sort: the slots of
     depth d are those of column < d, in the same descending order, so depth
     d's gain for B slots is the running sum over the sorted list with the
-    deeper columns zeroed, read where its B-th slot falls. Returns (d, rate).
+    deeper columns zeroed, read where its B-th slot falls. A depth above 0
+    must beat depth 0's rate by the factor 1 + `entry_margin`, else depth 0
+    is chosen. Returns (d, rate).
     """
     rows = np.asarray(rows)
     D = len(draft_costs) - 1
@@ -145,6 +148,8 @@ def best_depth(
     best = np.maximum(rate0[1:], rate.max(axis=1))  # [D]
     per_depth = np.concatenate([rate0[:1], best])  # [D + 1]
     d = int(np.argmax(per_depth))
+    if d > 0 and per_depth[d] < per_depth[0] * (1.0 + entry_margin):
+        d = 0
     return d, float(per_depth[d])
 
 

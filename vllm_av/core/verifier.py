@@ -181,6 +181,17 @@ EXPLORE_HOPELESS_TIME_SHARE = 0.01
 # explorations) exploring is a cost on every step; a drafter that starts
 # to pay is still noticed, up to this many times later.
 EXPLORE_BACKOFF_MAX = 8
+# A drafting depth above 0 is chosen only where its expected rate beats
+# plain decoding's by this share. Near break-even the choice rests on one
+# step's stale rows, whose mean acceptance moves by a few percent from step
+# to step, so a zero margin drafts on noise: in trace replays with drafting
+# 1.5-1.75x dearer than break-even (costs as the H200's real pair at 64
+# requests), the policy drafted at depth 1 on 1-62% of steps, each such
+# choice reset the exploration back-off, and it ran 0.9-1.2% below plain
+# decoding; with the margin 0.3-0.4%, what exploring costs in that run
+# (benchmarks/depth_entry_margin.py). Where drafting pays more than the
+# margin the choice is unchanged.
+DEPTH_ENTRY_MARGIN = 0.03
 # Plain-step probes (choose_depth, with `probe_plain_steps`): while no step
 # that verifies no draft has been timed, depth 0 once every this many steps,
 # at most PLAIN_PROBES_MAX times, so that B = 0 gets its own measured cost
@@ -248,6 +259,7 @@ class AdaptiveVerifier:
         self.cost = cost
         self.estimator = estimator or OnlineAcceptanceEstimator(num_speculative_tokens)
         self.selector = selector or select_admitted
+        self.depth_entry_margin = DEPTH_ENTRY_MARGIN
         # Per-request state lives in slots of preallocated tables: req_id ->
         # slot, freed by `forget` and reused.
         self._slot: dict[str, int] = {}
@@ -500,7 +512,8 @@ class AdaptiveVerifier:
             # depth-0 steps with none of them changed repeats it without the
             # search (host time on every step an engine drafts nothing).
             prior = self._prior_host()  # [K]
-            key = (R, num_sampling, num_other_tokens, self._costs_stamp())
+            key = (R, num_sampling, num_other_tokens, self._costs_stamp(),
+                   self.depth_entry_margin)
             memo = self._zero_depth_memo
             if memo is not None and memo[0] == key and memo[1] is prior:
                 return memo[2]
@@ -516,7 +529,8 @@ class AdaptiveVerifier:
         (`best_depth`: every depth from one sort of the rows' slots)."""
         R, K = rows.shape
         draft = [float(self.cost.at_depth(d, K).draft_cost(R)) for d in range(K + 1)]
-        return best_depth(rows, num_sampling, num_other_tokens, draft, self.cost)[0]
+        return best_depth(rows, num_sampling, num_other_tokens, draft, self.cost,
+                          entry_margin=self.depth_entry_margin)[0]
 
     # --------------------------------------------------------------- admit
     def stale_scores(self, req_ids: list[str], num_drafted: np.ndarray) -> np.ndarray:
