@@ -152,7 +152,14 @@ def main() -> None:
     ap.add_argument("--scales", default="1.0,1.25,1.5,1.75,2.0")
     ap.add_argument("--traces", type=Path, default=REPO.parent / "shared" / "data" / "traces")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--explore-share", type=float,
+                    help="what-if: the share of time ours' depth policy may spend exploring "
+                         "(EXPLORE_MAX_TIME_SHARE in vllm_av/core/verifier.py, default 0.05)")
     args = ap.parse_args()
+    if args.explore_share is not None:
+        import vllm_av.core.verifier as verifier
+
+        verifier.EXPLORE_MAX_TIME_SHARE = args.explore_share
     torch.set_num_threads(1)
     datasets = [d for d in ("mtbench", "humaneval") if (args.traces / f"traces_{d}.npz").exists()]
     if not datasets:
@@ -180,6 +187,7 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
             "steps": args.steps, "seeds": seeds, "margin": DEPTH_ENTRY_MARGIN,
+            "explore_share": args.explore_share,
             "seconds": round(time.time() - t0, 1), "rows": rows}, indent=1))
         print(f"wrote {args.out}")
 

@@ -153,6 +153,7 @@ def run_one(name, model, K, trace_sets, args) -> dict:
         "date": date,
         "elapsed_s": elapsed,
         "settings": {"max_steps": args.max_steps, "warmup_steps": args.warmup,
+                     "explore_share": args.explore_share,
                      "seed": args.seed, "concurrency": args.concurrency,
                      "datasets": datasets},
         "results": rows,
@@ -186,7 +187,14 @@ def main(argv=None) -> None:
     ap.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "simulator.md")
     ap.add_argument("--update-docs", action="store_true")
+    ap.add_argument("--explore-share", type=float,
+                    help="what-if: the share of time ours' depth policy may spend exploring "
+                         "(EXPLORE_MAX_TIME_SHARE in vllm_av/core/verifier.py, default 0.05)")
     args = ap.parse_args(argv)
+    if args.explore_share is not None:
+        import vllm_av.core.verifier as verifier
+
+        verifier.EXPLORE_MAX_TIME_SHARE = args.explore_share
     if "oracle" not in args.policies:
         args.policies.append("oracle")  # the reference for the fractions
 
