@@ -615,6 +615,15 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
     return out
 
 
+def summarise_concurrency(runs: dict, arms: list[str]) -> dict:
+    """One concurrency's entry in the JSON: its runs, `summarise`, and
+    `summarise_groups` where some arm has twins."""
+    entry = {"runs": runs, "summary": summarise(runs, arms)}
+    if len({base_arm(a) for a in arms}) < len(arms):
+        entry["groups"] = summarise_groups(runs, arms)
+    return entry
+
+
 def pooled_ratios_by_repeat(runs: dict, members: list[str], base_members: list[str]) -> list:
     """Per repeat in which every engine of both groups ran: the geometric
     mean of the group's tokens/s over the base group's. A repeat's batches
@@ -680,10 +689,8 @@ def summarise_log(path: str) -> dict:
         full = set.intersection(*({r["repeat"] for r in runs[a]} for a in arms))
         runs = {a: sorted((r for r in runs[a] if r["repeat"] in full),
                           key=lambda r: r["repeat"]) for a in arms}
-        entry = {"runs": runs, "repeats": len(full), "summary": summarise(runs, arms)}
-        if len({base_arm(a) for a in arms}) < len(arms):
-            entry["groups"] = summarise_groups(runs, arms)
-        result["by_concurrency"][str(c)] = entry
+        result["by_concurrency"][str(c)] = {"repeats": len(full),
+                                            **summarise_concurrency(runs, arms)}
     return result
 
 
@@ -800,12 +807,11 @@ def main() -> None:
             result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1}
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-        summary = summarise(runs, arms)
-        result["by_concurrency"][str(c)] = {"runs": runs, "summary": summary}
-        if len({base_arm(a) for a in arms}) < len(arms):
-            groups = summarise_groups(runs, arms)
-            result["by_concurrency"][str(c)]["groups"] = groups
-            for g, row in groups.items():
+        entry = summarise_concurrency(runs, arms)
+        result["by_concurrency"][str(c)] = entry
+        summary = entry["summary"]
+        if "groups" in entry:
+            for g, row in entry["groups"].items():
                 print(f"[C={c}] {g}: {len(row['engines'])} engine(s), medians "
                       + ", ".join(f"{m:,.0f}" for m in row["tok_s_median_per_engine"])
                       + f" tok/s (spread {row['engine_spread']:.3f})"
