@@ -40,7 +40,10 @@ identical engines read apart, the floor under every other ratio; with
 twins the JSON also holds each arm's engines side by side (`groups`:
 each engine's median, their spread, the groups' ratio, and the pooled
 ratio per repeat: the geometric mean of a group's engines over the first
-group's, batch by batch, with its interval over repeats). Each batch also records
+group's, batch by batch, with its interval over repeats; the same over
+the repeats in which none of a group's engines drafted; and where the
+group's steps spend their time, its engines' mean ms per step and per
+phase beside the first group's). Each batch also records
 what the machine's CPUs did meanwhile (how many were busy, the
 hypervisor's steal, the clock), to tell a slow batch's cause.
 
@@ -592,13 +595,17 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
         groups.setdefault(base_arm(arm), []).append(arm)
     medians = {g: [statistics.median(r["tok_s"] for r in runs[a]) for a in members]
                for g, members in groups.items()}
+    steps = {g: engines_step_ms(runs, members) for g, members in groups.items()}
     base = next(iter(groups))
     out = {}
     for g, members in groups.items():
         meds = medians[g]
         row = {"engines": members, "tok_s_median_per_engine": meds,
-               "engine_spread": max(meds) / min(meds)}
+               "engine_spread": max(meds) / min(meds),
+               "step_ms_mean_of_engines": steps[g]}
         if g != base:
+            row[f"step_ms_minus_{base}"] = {k: v - steps[base][k] for k, v in steps[g].items()
+                                            if k in steps[base]}
             row[f"tok_s_over_{base}"] = statistics.fmean(meds) / statistics.fmean(medians[base])
             # Where each of this group's engines falls against the base
             # group's engines: below all, among them, or above all.
@@ -607,12 +614,50 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
                                                else "among" for m in meds]
             ratios = pooled_ratios_by_repeat(runs, members, groups[base])
             if ratios:
-                lo, hi = median_interval(ratios)
-                row[f"tok_s_over_{base}_by_repeat"] = {
-                    "median": statistics.median(ratios), "min": min(ratios),
-                    "max": max(ratios), "ci90": [lo, hi], "repeats": len(ratios)}
+                row[f"tok_s_over_{base}_by_repeat"] = ratio_summary(ratios)
+            if any(drafted(r) for a in members for r in runs[a]):
+                # Without the repeats in which an engine of the group drafted
+                # (an adaptive policy exploring): what its other steps cost.
+                quiet = pooled_ratios_by_repeat(runs, members, groups[base],
+                                                 skip=not_drafting_repeats(runs, members))
+                if quiet:
+                    row[f"tok_s_over_{base}_by_repeat_not_drafting"] = ratio_summary(quiet)
         out[g] = row
     return out
+
+
+def ratio_summary(ratios: list) -> dict:
+    lo, hi = median_interval(ratios)
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "ci90": [lo, hi], "repeats": len(ratios)}
+
+
+def engines_step_ms(runs: dict, members: list[str]) -> dict:
+    """The mean over a group's engines of each engine's median ms per step
+    (`step`) and per phase: where a group's steps spend their time."""
+    per_engine = []
+    for a in members:
+        phases = sorted({p for r in runs[a] for p in r["phases"]})
+        row = {"step": statistics.median(r["ms_per_step"] for r in runs[a])}
+        row.update({p: statistics.median(r["phases"].get(p, {}).get("ms_per_step", 0.0)
+                                         for r in runs[a]) for p in phases})
+        per_engine.append(row)
+    keys = sorted(set().union(*per_engine), key=lambda k: (k != "step", k))
+    return {k: statistics.fmean(e.get(k, 0.0) for e in per_engine) for k in keys}
+
+
+def drafted(run: dict) -> bool:
+    """Whether the batch ran the drafter (a timed `propose`; a run read
+    from the log has the phase only where it was called)."""
+    phase = run["phases"].get("propose")
+    return phase is not None and phase.get("calls", 1) > 0
+
+
+def not_drafting_repeats(runs: dict, members: list[str]):
+    """A `skip` for pooled_ratios_by_repeat: the repeats in which some
+    engine of `members` drafted."""
+    skipped = {r.get("repeat", i) for a in members for i, r in enumerate(runs[a]) if drafted(r)}
+    return skipped.__contains__
 
 
 def summarise_concurrency(runs: dict, arms: list[str]) -> dict:
@@ -624,18 +669,20 @@ def summarise_concurrency(runs: dict, arms: list[str]) -> dict:
     return entry
 
 
-def pooled_ratios_by_repeat(runs: dict, members: list[str], base_members: list[str]) -> list:
+def pooled_ratios_by_repeat(runs: dict, members: list[str], base_members: list[str],
+                            skip=None) -> list:
     """Per repeat in which every engine of both groups ran: the geometric
     mean of the group's tokens/s over the base group's. A repeat's batches
     run back to back, so the host's drift over minutes cancels as in a
     paired ratio, and the mean over engines dilutes what each engine's own
     host speed adds; the interval over repeats then covers both, as far as
-    the engines sampled do."""
+    the engines sampled do. `skip(repeat)`: leave that repeat out."""
     def by_repeat(arm):
         return {r.get("repeat", i): r["tok_s"] for i, r in enumerate(runs[arm])}
 
     tables = {a: by_repeat(a) for a in members + base_members}
-    common = sorted(set.intersection(*(set(t) for t in tables.values())))
+    common = sorted(r for r in set.intersection(*(set(t) for t in tables.values()))
+                    if skip is None or not skip(r))
 
     def geomean(arms, r):
         return math.exp(statistics.fmean(math.log(tables[a][r]) for a in arms))
@@ -821,8 +868,16 @@ def main() -> None:
                                 and not k.endswith("_by_repeat"))
                       + "".join(f"; per repeat {v['median']:.3f} (90% interval of the "
                                 f"median {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})"
-                                for k, v in row.items() if k.endswith("_by_repeat")),
+                                for k, v in row.items() if k.endswith("_by_repeat"))
+                      + "".join(f"; per repeat not drafting {v['median']:.3f} over "
+                                f"{v['repeats']} repeat(s)"
+                                for k, v in row.items() if k.endswith("_not_drafting")),
                       flush=True)
+                for k, v in row.items():
+                    if k.startswith("step_ms_minus_"):
+                        print(f"[C={c}] {g} {k.replace('_', ' ')} (ms per step, engines' "
+                              "mean): " + ", ".join(f"{p} {d:+.3f}" for p, d in v.items()),
+                              flush=True)
         for name in arms[1:]:
             s = summary[name][f"tok_s_over_{arms[0]}"]
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "

@@ -298,6 +298,43 @@ def test_the_pooled_ratio_per_repeat_cancels_drift_and_engine_speed():
     assert g["ours"]["tok_s_over_nospec_by_repeat"]["repeats"] == 2
 
 
+def test_groups_show_where_the_steps_differ_and_the_repeats_without_drafting():
+    # Two engines per arm. Ours' steps spend 0.3 ms more in `schedule` on
+    # every batch; in repeat 1 one of ours' engines drafts (its batch 20%
+    # slower). The group's phase means put the difference where it is,
+    # and the pooled ratio without repeat 1 leaves out the drafting batch
+    # (a filter that kept it would count three repeats).
+    def run(tok_s, sched, r, propose=0):
+        out = dict(_run(tok_s, schedule=sched), repeat=r)
+        if propose:
+            out["phases"]["propose"] = {"calls": propose, "ms_per_step": 0.02}
+        return out
+
+    runs = {"nospec": [run(100, 1.0, r) for r in range(3)],
+            "nospec_twin": [run(100, 1.2, r) for r in range(3)],
+            "ours": [run(95, 1.3, 0), run(76, 1.3, 1, propose=2), run(95, 1.3, 2)],
+            "ours_twin": [run(95, 1.5, r) for r in range(3)]}
+    g = side_by_side.summarise_groups(runs, list(runs))
+    assert abs(g["nospec"]["step_ms_mean_of_engines"]["schedule"] - 1.1) < 1e-9
+    diff = g["ours"]["step_ms_minus_nospec"]
+    assert abs(diff["schedule"] - 0.3) < 1e-9
+    assert abs(diff["step"] - (1e3 / 95 - 1e3 / 100)) < 1e-9
+    assert list(diff)[0] == "step" and "propose" not in diff  # nospec has no propose
+    quiet = g["ours"]["tok_s_over_nospec_by_repeat_not_drafting"]
+    assert quiet["repeats"] == 2 and abs(quiet["median"] - 0.95) < 1e-9
+    assert g["ours"]["tok_s_over_nospec_by_repeat"]["repeats"] == 3
+    # A group that never drafts gets no such entry.
+    runs["ours"][1] = run(95, 1.3, 1)
+    assert "tok_s_over_nospec_by_repeat_not_drafting" not in side_by_side.summarise_groups(
+        runs, list(runs))["ours"]
+
+
+def test_a_run_read_from_the_log_drafted_where_its_line_times_propose():
+    assert side_by_side.drafted({"phases": {"propose": {"ms_per_step": 0.02}}})
+    assert not side_by_side.drafted({"phases": {"schedule": {"ms_per_step": 1.0}}})
+    assert not side_by_side.drafted({"phases": {"propose": {"calls": 0, "ms_per_step": 0.0}}})
+
+
 LOG = """\
 [nospec] started in 99 s on 8 CPUs; timers on {}
 [C=64 r=0] nospec: 14,000 tok/s, 4.50 ms/step; schedule 1.00, sample_tokens 0.80; host busy_cpus 1.4, steal_pct 0.0, mhz 2100.0
