@@ -81,9 +81,11 @@ class RunningScan:
     requests on the CPU the pass costs 69 us, the kept answer 1.5 us
     (benchmarks/scan_running_cost.py).
     Not seen: a running request whose computed tokens a KV connector resets
-    after a failed load (its recomputed prompt then counts as decoding,
-    which only lets an exploration step come early; nothing about which
-    tokens are verified depends on it)."""
+    after a failed load, or the last request preempted and resumed between
+    two looks with no step scheduled in between (back in its place). Its
+    recomputed prompt then counts as decoding, which only lets an
+    exploration step come early; nothing about which tokens are verified
+    depends on it."""
 
     def __init__(self):
         self.tail = None
