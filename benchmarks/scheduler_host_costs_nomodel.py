@@ -69,7 +69,20 @@ def capture(llm) -> dict:
                            block_size=s.block_size, hash_block_size=s.hash_block_size)}
 
 
-def drive(arm: dict, concurrency: int, max_tokens: int, tag: str) -> dict:
+def long_prompt_ids(i: int, n: int) -> list[int]:
+    """prompt_ids(i) repeated to n tokens, distinct per request (no prefix hits)."""
+    base = prompt_ids(i)
+    return [base[j % len(base)] + 50 * (j // len(base) % 4) for j in range(n)]
+
+
+def sampled(sched, req_id: str) -> list[int]:
+    """One token, or none for a request still in its prompt (chunked
+    prefill: its computed count, advanced at scheduling, is short of it)."""
+    req = sched.requests.get(req_id)
+    return [] if req is not None and req.num_computed_tokens < req.num_prompt_tokens else [5]
+
+
+def drive(arm: dict, concurrency: int, max_tokens: int, tag: str, prompt_len: int = 8) -> dict:
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
@@ -78,7 +91,7 @@ def drive(arm: dict, concurrency: int, max_tokens: int, tag: str) -> dict:
     for i in range(concurrency):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         sched.add_request(Request(
-            request_id=f"{tag}-{i}", prompt_token_ids=prompt_ids(i),
+            request_id=f"{tag}-{i}", prompt_token_ids=long_prompt_ids(i, prompt_len),
             sampling_params=sp, pooling_params=None, block_hasher=arm["hasher"]))
     T.clear(), N.clear(), LOOKAHEAD.clear()
     depths: Counter = Counter()
@@ -99,7 +112,7 @@ def drive(arm: dict, concurrency: int, max_tokens: int, tag: str) -> dict:
         so = queue.pop()
         ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[[5] for _ in ids])
+                                sampled_token_ids=[sampled(sched, r) for r in ids])
         sched.update_from_output(so, out)
     wall = time.perf_counter() - t0
     ON["on"] = False
@@ -116,6 +129,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV block size (the CPU's default is 128, the H200's 16)")
+    ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)
     opts = ap.parse_args()
     os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
@@ -132,8 +148,10 @@ def main() -> int:
     cmax = max(int(c) for c in opts.concurrency.split(","))
     arms = {}
     for name, spec in specs.items():
+        extra = {} if opts.block_size is None else {"block_size": opts.block_size}
         llm = make_llm(models, spec=spec, max_num_seqs=cmax, enforce_eager=True,
-                       async_scheduling=True)
+                       async_scheduling=True,
+                       max_model_len=max(256, opts.prompt_len + opts.max_tokens + 16), **extra)
         arms[name] = capture(llm)
         arms[name]["llm"] = llm  # kept alive (its verifier answers ours' depth lookup)
     result = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -141,12 +159,12 @@ def main() -> int:
               "scheduler_class": {k: a["cls"].__name__ for k, a in arms.items()},
               "runs": []}
     for c in [int(x) for x in opts.concurrency.split(",")]:
-        drive(arms["plain"], c, opts.max_tokens, "warm-p")
-        drive(arms["ours_depth0"], c, opts.max_tokens, "warm-o")
+        drive(arms["plain"], c, opts.max_tokens, "warm-p", opts.prompt_len)
+        drive(arms["ours_depth0"], c, opts.max_tokens, "warm-o", opts.prompt_len)
         for rep in range(opts.repeats):
             order = ("plain", "ours_depth0") if rep % 2 == 0 else ("ours_depth0", "plain")
             for name in order:
-                r = drive(arms[name], c, opts.max_tokens, f"{name}-{c}-{rep}")
+                r = drive(arms[name], c, opts.max_tokens, f"{name}-{c}-{rep}", opts.prompt_len)
                 r.update(arm=name, concurrency=c, rep=rep)
                 result["runs"].append(r)
                 m = r["ms_per_step"]

@@ -26,9 +26,9 @@ Counts of the rejection sampler and the drafter's `propose` tell how many
 steps verified or drafted. With `--gpu-spans`, CUDA events time each
 step's GPU span as well (SPAN below): the step period less the span is
 the time the GPU idles, which a step could fill with drafts at no cost to
-its period. After a concurrency's repeats, `--cprofile C` runs one more
+its period. After a concurrency's repeats, `--cprofile C[,C...]` runs one more
 batch per arm under cProfile (host time per function per step) and
-`--kernel-profile C` one under torch.profiler (device time per kernel per
+`--kernel-profile C[,C...]` one under torch.profiler (device time per kernel per
 step), each with every arm's difference from the first: where two
 engines' host phases or GPU spans differ, function by function and
 kernel by kernel. `--cpus` confines the driver and every engine to the
@@ -356,6 +356,17 @@ def kernel_profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: 
         for r in d[:25]:
             print(f"    {r['device_ms_per_step_delta']:+.4f}  {r['kernel'][:110]}", flush=True)
     return rows
+
+
+def concurrency_list(text: str) -> tuple[int, ...]:
+    """"64" or "64,256": the concurrencies a per-concurrency option acts at."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected concurrencies such as 64,256")
+    if any(c <= 0 for c in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: concurrencies are positive")
+    return out
 
 
 def load_prompts(paths: list[str]) -> list[str]:
@@ -758,12 +769,12 @@ def main() -> None:
                         "servers, 256 MiB on the CPU)")
     p.add_argument("--gpu-spans", action="store_true",
                    help="also time each step's GPU span with CUDA events (see SPAN)")
-    p.add_argument("--cprofile", type=int, default=0, metavar="C",
-                   help="at concurrency C (one of --concurrency), after its repeats, one "
+    p.add_argument("--cprofile", type=concurrency_list, default=(), metavar="C[,C...]",
+                   help="at each concurrency C (of --concurrency), after its repeats, one "
                         "more batch per arm under cProfile: own time per function per "
                         "step, and each arm's difference from the first, beside --out")
-    p.add_argument("--kernel-profile", type=int, default=0, metavar="C",
-                   help="at concurrency C (one of --concurrency), after its repeats, one "
+    p.add_argument("--kernel-profile", type=concurrency_list, default=(), metavar="C[,C...]",
+                   help="at each concurrency C (of --concurrency), after its repeats, one "
                         "more batch per arm under torch.profiler: own device time per "
                         "op and kernel per step, and each arm's difference from the "
                         "first, beside --out")
@@ -813,9 +824,10 @@ def main() -> None:
         refusal = eager_refusal({n: arm_settings(n, args.draft, device)[0] for n in arms})
         if refusal:
             raise SystemExit(refusal)
-    for flag, c in (("--cprofile", args.cprofile), ("--kernel-profile", args.kernel_profile)):
-        if c and c not in args.concurrency:
-            raise SystemExit(f"{flag} {c}: not one of --concurrency")
+    for flag, cs in (("--cprofile", args.cprofile), ("--kernel-profile", args.kernel_profile)):
+        for c in cs:
+            if c not in args.concurrency:
+                raise SystemExit(f"{flag} {c}: not one of --concurrency")
     if args.cpus:
         try:
             os.sched_setaffinity(0, parse_cpus(args.cpus))
@@ -883,10 +895,10 @@ def main() -> None:
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
                   f"({s['min']:.3f}-{s['max']:.3f}; 90% interval of the median "
                   f"{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f})", flush=True)
-        if args.cprofile == c:
+        if c in args.cprofile:
             result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)
-        if args.kernel_profile == c:
+        if c in args.kernel_profile:
             result["by_concurrency"][str(c)]["kernels"] = kernel_profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)
         with open(args.out, "w") as f:  # after each concurrency: a cut-off run keeps its part

@@ -389,3 +389,15 @@ def test_the_log_summary_refuses_a_missing_file_or_one_without_batches(tmp_path)
                                "--out", str(tmp_path / "out.json")],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_profiles_are_asked_at_one_or_several_concurrencies():
+    import argparse
+
+    import pytest
+
+    assert side_by_side.concurrency_list("64") == (64,)
+    assert side_by_side.concurrency_list("64,256") == (64, 256)
+    for bad in ("64,x", "0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            side_by_side.concurrency_list(bad)
