@@ -24,7 +24,7 @@ import torch
 
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
-from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch
+from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch, note_propose
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
 
@@ -65,12 +65,18 @@ def _manager(R, metrics_dir):
     return m
 
 
-def time_step(R: int, steps: int, metrics_dir: str) -> dict:
+def time_step(R: int, steps: int, metrics_dir: str, landed: bool = False) -> dict:
     est = AcceptanceEstimator(R, K, torch.device("cpu"))
     m = _manager(R, metrics_dir)
     drafter = _Drafter(R)
     ids = [f"r{i}" for i in range(R)]
     batch = SimpleNamespace(num_reqs=R, idx_mapping=torch.arange(R), idx_mapping_np=np.arange(R))
+    if landed:
+        # As served after an exploration: two drafting steps recorded, so the
+        # depth choice reads a landed host copy (the prior row included).
+        for _ in range(2):
+            note_propose(False)
+            m.record_confidences(torch.full((R, K), 0.5), batch)
     choose, rest = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -83,7 +89,7 @@ def time_step(R: int, steps: int, metrics_dir: str) -> dict:
             choose.append(t1 - t0)
             rest.append(t2 - t1)
     del est
-    return {"R": R, "depth0_steps": len(choose), "steps": steps,
+    return {"R": R, "landed_record": landed, "depth0_steps": len(choose), "steps": steps,
             "choose_depth_us_median": 1e6 * float(np.median(choose)),
             "choose_depth_us_p99": 1e6 * float(np.percentile(choose, 99)),
             # The mean carries the metrics snapshot written every 16 ticks.
@@ -102,13 +108,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for R in (int(x) for x in args.sizes.split(",")):
-            row = time_step(R, args.steps, tmp)
-            rows.append(row)
-            print(f"R={R}: depth 0 on {row['depth0_steps']}/{row['steps']} steps; choose_depth "
-                  f"median {row['choose_depth_us_median']:.1f} us, mean "
-                  f"{row['choose_depth_us_mean']:.1f} (p99 "
-                  f"{row['choose_depth_us_p99']:.1f}); propose + record "
-                  f"{row['propose_and_record_us_median']:.1f} us")
+            for landed in (False, True):
+                row = time_step(R, args.steps, tmp, landed)
+                rows.append(row)
+                where = " after a record" if landed else ""
+                print(f"R={R}{where}: depth 0 on {row['depth0_steps']}/{row['steps']} steps; "
+                      f"choose_depth median {row['choose_depth_us_median']:.1f} us, mean "
+                      f"{row['choose_depth_us_mean']:.1f} (p99 "
+                      f"{row['choose_depth_us_p99']:.1f}); propose + record "
+                      f"{row['propose_and_record_us_median']:.1f} us")
     register_local_verifier(None)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
               "command": "python benchmarks/mrv2_depth_overhead.py", "rows": rows}

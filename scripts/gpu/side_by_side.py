@@ -181,6 +181,56 @@ def install_timers(worker, phases: dict, span: tuple | None = None, events=None)
     return state["wrapped"]
 
 
+def _python_workload(n: int) -> int:
+    """A fixed piece of pure Python in the shape of the scheduler's work
+    (small objects, attribute and dict access, short calls, list appends)."""
+    class Req:
+        __slots__ = ("rid", "computed", "tokens")
+
+        def __init__(self, rid: int) -> None:
+            self.rid, self.computed, self.tokens = rid, 0, []
+
+        def advance(self, k: int) -> int:
+            self.computed += k
+            return self.computed
+
+    reqs = {i: Req(i) for i in range(256)}
+    out = []
+    for step in range(n):
+        r = reqs[step & 255]
+        r.tokens.append(step)
+        if r.advance(1) > 64:
+            r.tokens.clear()
+            r.computed = 0
+        out.append((r.rid, len(r.tokens)))
+    return len(out)
+
+
+def python_speed(worker, runs: int = 7, n: int = 20000) -> dict:
+    """(In the engine process, on the thread that schedules and steps.)
+    The median time of a fixed pure-Python workload: the process's Python
+    speed, which is what a host-bound step is made of. Two engines whose
+    steps differ by more than their Python speeds do differ in work. With
+    it, what could slow every frame of a process: tracing or profiling
+    hooks, sys.monitoring tools, other threads (which take the GIL), the
+    collector's counts."""
+    import gc
+    import threading
+
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        _python_workload(n)
+        times.append(time.perf_counter() - t0)
+    monitoring = getattr(sys, "monitoring", None)
+    return {"ms": statistics.median(times) * 1e3,
+            "threads": sorted(t.name for t in threading.enumerate()),
+            "trace": sys.gettrace() is not None, "profile": sys.getprofile() is not None,
+            "monitoring_tools": ([monitoring.get_tool(i) for i in range(6)]
+                                 if monitoring is not None else None),
+            "gc_counts": list(gc.get_count()), "gc_frozen": gc.get_freeze_count()}
+
+
 def take_totals(worker) -> dict:
     """(In the engine process.) phase -> [calls, ms] since the last take;
     with spans, "gpu_span" -> [steps, ms of GPU span]."""
@@ -532,7 +582,7 @@ def host_during(before: dict, after: dict, ncpu: int) -> dict:
     return out
 
 
-def run_batch(llm, prompts, max_tokens: int) -> dict:
+def run_batch(llm, prompts, max_tokens: int, speed: bool = False) -> dict:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
@@ -545,10 +595,13 @@ def run_batch(llm, prompts, max_tokens: int) -> dict:
     totals = llm.collective_rpc(take_totals)[0]
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = totals.get(STEP_PHASE, [0, 0.0])[0] or 1
-    return {"wall_s": wall, "output_tokens": ntok, "tok_s": ntok / wall, "steps": steps,
-            "ms_per_step": wall * 1e3 / steps, "host": host,
-            "phases": {ph: {"calls": n, "ms_per_step": ms / steps}
-                       for ph, (n, ms) in totals.items()}}
+    run = {"wall_s": wall, "output_tokens": ntok, "tok_s": ntok / wall, "steps": steps,
+           "ms_per_step": wall * 1e3 / steps, "host": host,
+           "phases": {ph: {"calls": n, "ms_per_step": ms / steps}
+                      for ph, (n, ms) in totals.items()}}
+    if speed:  # after the batch: the engine is idle, its state as the batch left it
+        run["python_speed"] = llm.collective_rpc(python_speed)[0]
+    return run
 
 
 def median_interval(values: list[float], level: float = 0.9, resamples: int = 2000,
@@ -633,6 +686,14 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
                                                  skip=not_drafting_repeats(runs, members))
                 if quiet:
                     row[f"tok_s_over_{base}_by_repeat_not_drafting"] = ratio_summary(quiet)
+            if all("python_speed" in r for a in members + groups[base] for r in runs[a]):
+                # Each batch's tokens/s times its engine's Python time: what
+                # is left once every engine's Python speed is divided out.
+                norm = pooled_ratios_by_repeat(
+                    runs, members, groups[base],
+                    value=lambda run: run["tok_s"] * run["python_speed"]["ms"])
+                if norm:
+                    row[f"tok_s_over_{base}_by_repeat_per_python_speed"] = ratio_summary(norm)
         out[g] = row
     return out
 
@@ -652,6 +713,8 @@ def engines_step_ms(runs: dict, members: list[str]) -> dict:
         row = {"step": statistics.median(r["ms_per_step"] for r in runs[a])}
         row.update({p: statistics.median(r["phases"].get(p, {}).get("ms_per_step", 0.0)
                                          for r in runs[a]) for p in phases})
+        if all("python_speed" in r for r in runs[a]):  # ms of the fixed workload
+            row["python"] = statistics.median(r["python_speed"]["ms"] for r in runs[a])
         per_engine.append(row)
     keys = sorted(set().union(*per_engine), key=lambda k: (k != "step", k))
     return {k: statistics.fmean(e.get(k, 0.0) for e in per_engine) for k in keys}
@@ -681,15 +744,18 @@ def summarise_concurrency(runs: dict, arms: list[str]) -> dict:
 
 
 def pooled_ratios_by_repeat(runs: dict, members: list[str], base_members: list[str],
-                            skip=None) -> list:
+                            skip=None, value=None) -> list:
     """Per repeat in which every engine of both groups ran: the geometric
     mean of the group's tokens/s over the base group's. A repeat's batches
     run back to back, so the host's drift over minutes cancels as in a
     paired ratio, and the mean over engines dilutes what each engine's own
     host speed adds; the interval over repeats then covers both, as far as
-    the engines sampled do. `skip(repeat)`: leave that repeat out."""
+    the engines sampled do. `skip(repeat)`: leave that repeat out;
+    `value(run)`: what is compared (tokens/s by default)."""
+    value = value or (lambda run: run["tok_s"])
+
     def by_repeat(arm):
-        return {r.get("repeat", i): r["tok_s"] for i, r in enumerate(runs[arm])}
+        return {r.get("repeat", i): value(r) for i, r in enumerate(runs[arm])}
 
     tables = {a: by_repeat(a) for a in members + base_members}
     common = sorted(r for r in set.intersection(*(set(t) for t in tables.values()))
@@ -720,10 +786,14 @@ def runs_from_log(lines) -> dict:
             continue
         c, r, arm, tok_s, ms, rest = m.groups()
         phases_text, _, host_text = rest.partition("; host ")
-        out.setdefault(int(c), {}).setdefault(arm, []).append({
-            "tok_s": float(tok_s.replace(",", "")), "ms_per_step": float(ms),
-            "repeat": int(r), "host": _pairs(host_text),
-            "phases": {k: {"ms_per_step": v} for k, v in _pairs(phases_text).items()}})
+        host_text, _, python_text = host_text.partition("; python ")
+        run = {"tok_s": float(tok_s.replace(",", "")), "ms_per_step": float(ms),
+               "repeat": int(r), "host": _pairs(host_text),
+               "phases": {k: {"ms_per_step": v} for k, v in _pairs(phases_text).items()}}
+        speed = re.match(r"([\d.]+) ms", python_text)
+        if speed:
+            run["python_speed"] = {"ms": float(speed.group(1))}
+        out.setdefault(int(c), {}).setdefault(arm, []).append(run)
     return out
 
 
@@ -778,6 +848,10 @@ def main() -> None:
                         "more batch per arm under torch.profiler: own device time per "
                         "op and kernel per step, and each arm's difference from the "
                         "first, beside --out")
+    p.add_argument("--python-speed", action="store_true",
+                   help="after each batch, time a fixed pure-Python workload in the "
+                        "engine process (`python_speed`): each engine's Python speed "
+                        "beside its steps, and what could slow its every frame")
     p.add_argument("--cpus", default="",
                    help="run this driver and every engine process on these CPUs only "
                         "(e.g. 0-7; the engines inherit it), so that each engine steps on "
@@ -853,14 +927,17 @@ def main() -> None:
         for r in range(args.repeats):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
             for name in order:
-                run = run_batch(engines[name], prompts, args.max_tokens)
+                run = run_batch(engines[name], prompts, args.max_tokens, args.python_speed)
                 run["repeat"], run["position"] = r, order.index(name)
                 runs[name].append(run)
                 ph, host = run["phases"], run["host"]
                 print(f"[C={c} r={r}] {name}: {run['tok_s']:,.0f} tok/s, "
                       f"{run['ms_per_step']:.2f} ms/step; "
                       + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items()))
-                      + "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()),
+                      + "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items())
+                      + (f"; python {run['python_speed']['ms']:.2f} ms, threads "
+                         f"{len(run['python_speed']['threads'])}"
+                         if "python_speed" in run else ""),
                       flush=True)
             # After each repeat: a run cut off mid-concurrency keeps its batches.
             result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1}
@@ -883,7 +960,10 @@ def main() -> None:
                                 for k, v in row.items() if k.endswith("_by_repeat"))
                       + "".join(f"; per repeat not drafting {v['median']:.3f} over "
                                 f"{v['repeats']} repeat(s)"
-                                for k, v in row.items() if k.endswith("_not_drafting")),
+                                for k, v in row.items() if k.endswith("_not_drafting"))
+                      + "".join(f"; per repeat per Python speed {v['median']:.3f} (90% "
+                                f"interval of the median {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})"
+                                for k, v in row.items() if k.endswith("_per_python_speed")),
                       flush=True)
                 for k, v in row.items():
                     if k.startswith("step_ms_minus_"):

@@ -401,3 +401,46 @@ def test_profiles_are_asked_at_one_or_several_concurrencies():
     for bad in ("64,x", "0", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             side_by_side.concurrency_list(bad)
+
+
+def test_python_speed_times_the_workload_and_reports_what_slows_every_frame():
+    import sys as _sys
+
+    out = side_by_side.python_speed(None, runs=3, n=2000)
+    assert out["ms"] > 0 and not out["trace"] and not out["profile"]
+    assert "MainThread" in out["threads"] and len(out["gc_counts"]) == 3
+    # A tracing hook slows every frame; the report says it is there and the
+    # workload takes longer under it (a hook doing nothing still runs per call).
+    plain = side_by_side.python_speed(None, runs=5, n=20000)["ms"]
+    _sys.settrace(lambda *a: None)
+    try:
+        traced = side_by_side.python_speed(None, runs=5, n=20000)
+    finally:
+        _sys.settrace(None)
+    assert traced["trace"] and traced["ms"] > 1.5 * plain
+
+
+def test_batches_divided_by_their_engines_python_speed():
+    # Ours' engines step 5% slower, and run Python 5% slower: per unit of
+    # Python speed the groups are equal, while the plain ratio reads 0.95.
+    def run(tok_s, py_ms, r):
+        return dict(_run(tok_s, schedule=1.0), repeat=r, python_speed={"ms": py_ms})
+
+    runs = {"nospec": [run(100, 2.0, r) for r in range(3)],
+            "ours": [run(95, 2.0 / 0.95, r) for r in range(3)]}
+    g = side_by_side.summarise_groups(runs, list(runs))["ours"]
+    assert abs(g["tok_s_over_nospec_by_repeat"]["median"] - 0.95) < 1e-9
+    assert abs(g["tok_s_over_nospec_by_repeat_per_python_speed"]["median"] - 1.0) < 1e-9
+    assert abs(g["step_ms_minus_nospec"]["python"] - (2.0 / 0.95 - 2.0)) < 1e-9
+    # Without the readings on every batch there is no such ratio.
+    del runs["nospec"][0]["python_speed"]
+    assert "tok_s_over_nospec_by_repeat_per_python_speed" not in side_by_side.summarise_groups(
+        runs, list(runs))["ours"]
+
+
+def test_the_python_reading_is_read_back_from_the_log_apart_from_the_host():
+    line = ("[C=64 r=0] ours: 13,000 tok/s, 4.80 ms/step; schedule 1.05; host busy_cpus 1.4, "
+            "steal_pct 0.0, mhz 2100.0; python 3.25 ms, threads 5")
+    run = side_by_side.runs_from_log([line])[64]["ours"][0]
+    assert run["host"] == {"busy_cpus": 1.4, "steal_pct": 0.0, "mhz": 2100.0}
+    assert run["python_speed"] == {"ms": 3.25}

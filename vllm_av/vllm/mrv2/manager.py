@@ -422,13 +422,22 @@ class AVManager:
             if est is None:
                 return np.ones(self.num_speculative_steps)
             return est.core.prior_survival_host(self.num_speculative_steps)
-        row = stale.np[self.R]
+        # A landed slot's row changes only when a later record lands in it:
+        # while no step records (a run of depth-0 steps), the slot and its
+        # step say that it is unchanged without reading it.
+        key = (self._stale_idx, stale.step, stale.refits)
         cached = self._prior_cache
-        if cached is None or not np.array_equal(cached[0], row):
+        if cached is not None and cached[0] == key:
+            return cached[2]
+        row = stale.np[self.R]
+        if cached is None or not np.array_equal(cached[1], row):
             prior = survival(row[None].astype(np.float64))[0]
             prior.flags.writeable = False
-            self._prior_cache = cached = (row.copy(), prior)
-        return cached[1]
+            cached = (key, row.copy(), prior)
+        else:
+            cached = (key, cached[1], cached[2])
+        self._prior_cache = cached
+        return cached[2]
 
     def choose_depth(self, req_ids: list[str], num_sampling: int, num_other_tokens: int,
                      min_depth: int = 0, may_explore: bool = True) -> int:

@@ -34,14 +34,24 @@ from vllm_av.vllm.config import av_options_of
 from vllm_av.vllm.patching import VllmPatch
 
 
+_FULL: list = []
+
+
+def _full_mode():
+    """vLLM's CUDAGraphMode.FULL, imported once (this runs every step)."""
+    if not _FULL:
+        from vllm.config.compilation import CUDAGraphMode
+
+        _FULL.append(CUDAGraphMode.FULL)
+    return _FULL[0]
+
+
 def replay_bound(batch_desc, own_bound: int | None) -> int | None:
     """The `max_query_len` a step's attention metadata is built with: the
     captured bound of the varlen FULL graph `batch_desc` replays, else the
     step's own (`own_bound`; None: its longest query)."""
-    from vllm.config.compilation import CUDAGraphMode
-
     bound = batch_desc.max_query_len
-    if (batch_desc.cg_mode != CUDAGraphMode.FULL or bound is None
+    if (batch_desc.cg_mode != _full_mode() or bound is None
             or batch_desc.uniform_token_count is not None):
         return own_bound
     # Dispatch admits a step only when its longest query is within the bound.
