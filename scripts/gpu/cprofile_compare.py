@@ -1,0 +1,122 @@
+"""Compare two groups of engines' cProfile files (side_by_side.py --cprofile).
+
+    python scripts/gpu/cprofile_compare.py \
+        benchmarks/results/<round>/cprofile_nospec{,_twin,_twin2}_c64.pstats \
+        --other benchmarks/results/<round>/cprofile_ours_served{,_twin,_twin2}_c64.pstats
+
+Each group's files are pooled (their steps summed). Own time per step is
+compared two ways:
+  * functions that only the other group calls, with their own time per
+    step: work that group adds outright;
+  * every function's own time per step, the base group's scaled by the
+    groups' speed on vLLM's per-request output code (`REFERENCE`: the same
+    work in both groups at a step that verifies no draft), so that one
+    engine process running all its Python slower does not read as extra
+    work in every function.
+Under Python 3.12 cProfile records every thread of the process, so the
+writer thread's calls appear too (their callers are not reliable).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import sys
+
+# vLLM functions whose work per step is the same with or without a
+# speculative configuration at depth 0: the output of each request.
+REFERENCE = ("update_from_output", "_update_request_with_output", "check_stop",
+             "append_output_token_ids")
+
+
+def load(paths: list[str]) -> tuple[dict, int]:
+    """Pooled stats of `paths` and their steps (calls of the scheduler's
+    `schedule`)."""
+    stats = pstats.Stats(paths[0])
+    for p in paths[1:]:
+        stats.add(p)
+    table = stats.stats
+    steps = sum(v[1] for k, v in table.items()
+                if k[2] == "schedule" and k[0].endswith("sched/scheduler.py"))
+    if steps == 0:
+        raise SystemExit(f"{paths}: no calls of the scheduler's schedule")
+    return table, steps
+
+
+def label(key) -> str:
+    path, line, name = key
+    return f"{path.split('site-packages/')[-1]}:{line} {name}"
+
+
+def plain_key(key) -> tuple:
+    """A function's key without what differs between processes (the
+    site-packages folder; builtins carry an address)."""
+    path, line, name = key
+    return (path.split("site-packages/")[-1], line, name.split(" at 0x")[0])
+
+
+def speed_factor(base: dict, base_steps: int, other: dict, other_steps: int) -> float:
+    """Other's own time per step over base's on the REFERENCE functions."""
+    def total(table, steps):
+        return sum(v[2] for k, v in table.items()
+                   if k[2] in REFERENCE and "vllm/v1/" in k[0]) / steps
+    b = total(base, base_steps)
+    return total(other, other_steps) / b if b > 0 else 1.0
+
+
+def compare(base_paths: list[str], other_paths: list[str], top: int = 30) -> dict:
+    base, bs = load(base_paths)
+    other, os_ = load(other_paths)
+    factor = speed_factor(base, bs, other, os_)
+    base_keys = {plain_key(k) for k in base}
+    only = sorted(((v[2] / os_ * 1e6, v[1] / os_, label(k)) for k, v in other.items()
+                   if plain_key(k) not in base_keys), reverse=True)
+    base_own: dict = {}
+    for k, v in base.items():  # builtins of several addresses pooled
+        base_own[plain_key(k)] = base_own.get(plain_key(k), 0.0) + v[2] / bs
+    other_own: dict = {}
+    names: dict = {}
+    for k, v in other.items():
+        other_own[plain_key(k)] = other_own.get(plain_key(k), 0.0) + v[2] / os_
+        names[plain_key(k)] = label(k)
+    excess = [((other_own.get(k, 0.0) - factor * base_own.get(k, 0.0)) * 1e6,
+               names.get(k) or label((k[0], k[1], k[2])))
+              for k in set(base_own) | set(other_own)]
+    excess.sort(reverse=True)
+    return {
+        "steps": [bs, os_], "speed_factor": factor,
+        "own_us_per_step": [sum(v[2] for v in base.values()) / bs * 1e6,
+                            sum(v[2] for v in other.values()) / os_ * 1e6],
+        "only_other_us_per_step": sum(r[0] for r in only),
+        "only_other": [{"us_per_step": u, "calls_per_step": c, "function": f}
+                       for u, c, f in only[:top]],
+        "scaled_excess": [{"us_per_step": u, "function": f} for u, f in excess[:top]],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", nargs="+", help="the base group's .pstats files")
+    ap.add_argument("--other", nargs="+", required=True, help="the other group's .pstats files")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=None, help="write the comparison as JSON")
+    args = ap.parse_args()
+    out = compare(args.base, args.other, args.top)
+    print(f"steps {out['steps'][0]} / {out['steps'][1]}; own time per step "
+          f"{out['own_us_per_step'][0]:.0f} / {out['own_us_per_step'][1]:.0f} us under the "
+          f"profiler; speed factor on vLLM's output code {out['speed_factor']:.3f}")
+    print(f"functions only the other group calls: {out['only_other_us_per_step']:.1f} us "
+          "of own time per step")
+    for r in out["only_other"]:
+        print(f"  {r['us_per_step']:7.1f} us  {r['calls_per_step']:6.2f} calls  {r['function']}")
+    print("own time per step over the base's scaled by the speed factor:")
+    for r in out["scaled_excess"]:
+        print(f"  {r['us_per_step']:+7.1f} us  {r['function']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
