@@ -686,6 +686,21 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
                                                  skip=not_drafting_repeats(runs, members))
                 if quiet:
                     row[f"tok_s_over_{base}_by_repeat_not_drafting"] = ratio_summary(quiet)
+            if all("update_from_output" in r["phases"] for a in members + groups[base]
+                   for r in runs[a]):
+                # Each batch's tokens/s times its engine's ms per step in
+                # vLLM's per-request output code, the same work in both arms
+                # at a step that verifies no draft: the engine's speed during
+                # that very batch divided out, what is left is the work each
+                # step does. A diagnostic: a process that runs slower because
+                # of ours is ours' cost all the same.
+                per_output = pooled_ratios_by_repeat(
+                    runs, members, groups[base],
+                    value=lambda run: (run["tok_s"]
+                                       * run["phases"]["update_from_output"]["ms_per_step"]))
+                if per_output:
+                    row[f"tok_s_over_{base}_by_repeat_per_output_speed"] = ratio_summary(
+                        per_output)
             if all("python_speed" in r for a in members + groups[base] for r in runs[a]):
                 # Each batch's tokens/s times its engine's Python time: what
                 # is left once every engine's Python speed is divided out.
@@ -797,13 +812,26 @@ def runs_from_log(lines) -> dict:
     return out
 
 
+def runs_from_json(path: str) -> dict:
+    """{concurrency: {arm: [run, ...]}} from a run's JSON (`runs` of each
+    concurrency), to summarise it again with the summaries of this code."""
+    with open(path) as f:
+        result = json.load(f)
+    return {int(c): {arm: [dict(r, repeat=r.get("repeat", i)) for i, r in enumerate(runs)]
+                     for arm, runs in entry["runs"].items()}
+            for c, entry in result.get("by_concurrency", {}).items() if entry.get("runs")}
+
+
 def summarise_log(path: str) -> dict:
     """The JSON's summaries rebuilt from a log (`runs_from_log`), over the
     repeats in which every arm ran; arms ordered as in the log. The run's
     command, date, machine and arms are taken from the JSON beside the log
     (same name, `.json`) where the run wrote one."""
-    with open(path, errors="replace") as f:
-        by_c = runs_from_log(f)
+    if path.endswith(".json"):  # a finished run's own batches: unrounded phase times
+        by_c = runs_from_json(path)
+    else:
+        with open(path, errors="replace") as f:
+            by_c = runs_from_log(f)
     arms_seen = [a for runs in by_c.values() for a in runs]
     result = {"from_log": os.path.basename(path), "arms": list(dict.fromkeys(arms_seen))}
     beside = Path(path).with_suffix(".json")
@@ -863,7 +891,8 @@ def main() -> None:
                         "without adaptive verification only")
     p.add_argument("--summarise-log", metavar="LOG",
                    help="start no engine: rebuild the summaries from LOG, a run's log "
-                        "(one that was cut off before it wrote its JSON), into --out")
+                        "(one that was cut off before it wrote its JSON) or its JSON "
+                        "(every batch with unrounded phase times), into --out")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.summarise_log:
@@ -961,9 +990,11 @@ def main() -> None:
                       + "".join(f"; per repeat not drafting {v['median']:.3f} over "
                                 f"{v['repeats']} repeat(s)"
                                 for k, v in row.items() if k.endswith("_not_drafting"))
-                      + "".join(f"; per repeat per Python speed {v['median']:.3f} (90% "
-                                f"interval of the median {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})"
-                                for k, v in row.items() if k.endswith("_per_python_speed")),
+                      + "".join(f"; per repeat per {k.rsplit('_per_', 1)[1].replace('_', ' ')} "
+                                f"{v['median']:.3f} (90% interval of the median "
+                                f"{v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})"
+                                for k, v in row.items()
+                                if k.endswith(("_per_python_speed", "_per_output_speed"))),
                       flush=True)
                 for k, v in row.items():
                     if k.startswith("step_ms_minus_"):

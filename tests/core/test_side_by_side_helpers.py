@@ -444,3 +444,44 @@ def test_the_python_reading_is_read_back_from_the_log_apart_from_the_host():
     run = side_by_side.runs_from_log([line])[64]["ours"][0]
     assert run["host"] == {"busy_cpus": 1.4, "steal_pct": 0.0, "mhz": 2100.0}
     assert run["python_speed"] == {"ms": 3.25}
+
+
+def test_batches_divided_by_their_engines_output_code_speed():
+    # Repeat 1 runs ours' engine 20% slow in everything (its vCPU's slow
+    # speed): the raw pooled ratio moves with it, the one per output-code
+    # speed does not. In repeat 2 ours also does 5% more work per step than
+    # plain V2 at the same speed: that shows in both.
+    def run(tok_s, ufo_ms, r):
+        return dict(_run(tok_s, update_from_output=ufo_ms), repeat=r)
+
+    runs = {"nospec": [run(100, 0.5, r) for r in range(3)],
+            "ours": [run(100, 0.5, 0), run(80, 0.625, 1), run(95, 0.5, 2)]}
+    g = side_by_side.summarise_groups(runs, list(runs))["ours"]
+    raw = side_by_side.pooled_ratios_by_repeat(runs, ["ours"], ["nospec"])
+    assert [round(x, 6) for x in raw] == [1.0, 0.8, 0.95]
+    per = g["tok_s_over_nospec_by_repeat_per_output_speed"]
+    assert per["repeats"] == 3 and abs(per["min"] - 0.95) < 1e-9 and abs(per["max"] - 1.0) < 1e-9
+    # A batch without the phase (a run of another runner) gives no such ratio.
+    del runs["nospec"][0]["phases"]["update_from_output"]
+    assert "tok_s_over_nospec_by_repeat_per_output_speed" not in side_by_side.summarise_groups(
+        runs, list(runs))["ours"]
+
+
+def test_a_finished_run_is_summarised_again_from_its_json(tmp_path):
+    # The JSON keeps each batch's unrounded phases: summarised again with
+    # this code, its groups carry the ratios added since the run.
+    def run(tok_s, ufo, r):
+        return dict(_run(tok_s, update_from_output=ufo), repeat=r)
+
+    runs = {"nospec": [run(100, 0.5, r) for r in range(2)],
+            "nospec_twin": [run(100, 0.5, r) for r in range(2)],
+            "ours": [run(90, 0.5, 0), run(72, 0.625, 1)],
+            "ours_twin": [run(90, 0.5, 0), run(72, 0.625, 1)]}
+    path = tmp_path / "side_by_side.json"
+    path.write_text(json.dumps({"date": "2026-12-04", "by_concurrency": {
+        "64": {"runs": runs, "summary": {}}}}))
+    result = side_by_side.summarise_log(str(path))
+    assert result["date"] == "2026-12-04" and result["by_concurrency"]["64"]["repeats"] == 2
+    per = result["by_concurrency"]["64"]["groups"]["ours"][
+        "tok_s_over_nospec_by_repeat_per_output_speed"]
+    assert abs(per["median"] - 0.9) < 1e-9 and abs(per["min"] - 0.9) < 1e-9
