@@ -167,3 +167,35 @@ def test_background_snapshots_leave_the_write_off_the_engines_thread(tmp_path, m
     t0 = time.perf_counter()
     write_snapshot(str(tmp_path), v)
     assert time.perf_counter() - t0 >= 0.2
+
+
+def test_background_writes_are_at_most_twice_a_second_and_the_last_lands(tmp_path, monkeypatch):
+    # A served engine posts a snapshot every 16 steps (every few ms under
+    # load); the writer encodes and writes at most one per WRITE_MIN_PERIOD_S,
+    # and the latest posted one is on disk after a flush. Negative control:
+    # with no minimum period it writes far more often.
+    import time
+
+    import vllm_av.vllm.metrics as metrics
+
+    def count_writes(period: float) -> tuple[int, dict]:
+        monkeypatch.setattr(metrics, "WRITE_MIN_PERIOD_S", period)
+        written = []
+        real_write = metrics._write
+        monkeypatch.setattr(metrics, "_write",
+                            lambda d, r, snap: (written.append(snap["steps"]), real_write(d, r, snap)))
+        writer = metrics._BackgroundWriter()
+        t_end = time.monotonic() + 1.2
+        steps = 0
+        while time.monotonic() < t_end:
+            steps += 1
+            writer.post(str(tmp_path), 0, {"steps": steps})
+            time.sleep(0.005)
+        assert writer.flush(5.0)
+        return len(written), metrics.read_snapshot(str(tmp_path)), steps
+
+    n, snap, steps = count_writes(0.5)
+    assert 2 <= n <= 4, n  # at 0, about 0.5 and 1.0 s, and the last after the posts
+    assert snap["steps"] == steps  # the latest posted snapshot landed
+    n_free, snap, steps = count_writes(0.0)
+    assert n_free >= 3 * n and snap["steps"] == steps, (n_free, n)
