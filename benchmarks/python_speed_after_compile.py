@@ -29,24 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
-from side_by_side import _python_workload  # noqa: E402  (stdlib-only at import)
+from side_by_side import frame_hooks, workload_times  # noqa: E402  (stdlib-only at import)
 
 
 def speed(runs: int, n: int) -> dict:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        _python_workload(n)
-        times.append(time.perf_counter() - t0)
+    times = workload_times(runs, n)
     return {"median_ms": statistics.median(times) * 1e3,
             "min_ms": min(times) * 1e3, "runs": runs}
-
-
-def hooks() -> dict:
-    monitoring = getattr(sys, "monitoring", None)
-    return {"trace": sys.gettrace() is not None, "profile": sys.getprofile() is not None,
-            "monitoring_tools": ([monitoring.get_tool(i) for i in range(6)]
-                                 if monitoring is not None else None)}
 
 
 def main() -> int:
@@ -59,7 +48,7 @@ def main() -> int:
     stages = []
 
     def stage(name: str) -> None:
-        row = {"stage": name, **speed(args.runs, args.n), **hooks()}
+        row = {"stage": name, **speed(args.runs, args.n), **frame_hooks()}
         stages.append(row)
         print(f"{name:32s} {row['median_ms']:.3f} ms (min {row['min_ms']:.3f})", flush=True)
 

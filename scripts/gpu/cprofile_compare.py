@@ -64,25 +64,31 @@ def speed_factor(base: dict, base_steps: int, other: dict, other_steps: int) -> 
     return total(other, other_steps) / b if b > 0 else 1.0
 
 
+def per_function(table: dict, steps: int) -> tuple[dict, dict]:
+    """plain_key -> [calls, own seconds] per step (builtins of several
+    addresses pooled), and plain_key -> a label."""
+    rows: dict = {}
+    names: dict = {}
+    for k, v in table.items():
+        row = rows.setdefault(plain_key(k), [0.0, 0.0])
+        row[0] += v[1] / steps
+        row[1] += v[2] / steps
+        names[plain_key(k)] = label(k)
+    return rows, names
+
+
 def compare(base_paths: list[str], other_paths: list[str], top: int = 30) -> dict:
     base, bs = load(base_paths)
     other, os_ = load(other_paths)
     factor = speed_factor(base, bs, other, os_)
-    base_keys = {plain_key(k) for k in base}
-    only = sorted(((v[2] / os_ * 1e6, v[1] / os_, label(k)) for k, v in other.items()
-                   if plain_key(k) not in base_keys), reverse=True)
-    base_own: dict = {}
-    for k, v in base.items():  # builtins of several addresses pooled
-        base_own[plain_key(k)] = base_own.get(plain_key(k), 0.0) + v[2] / bs
-    other_own: dict = {}
-    names: dict = {}
-    for k, v in other.items():
-        other_own[plain_key(k)] = other_own.get(plain_key(k), 0.0) + v[2] / os_
-        names[plain_key(k)] = label(k)
-    excess = [((other_own.get(k, 0.0) - factor * base_own.get(k, 0.0)) * 1e6,
-               names.get(k) or label((k[0], k[1], k[2])))
-              for k in set(base_own) | set(other_own)]
-    excess.sort(reverse=True)
+    base_rows, base_names = per_function(base, bs)
+    other_rows, names = per_function(other, os_)
+    names = {**base_names, **names}
+    only = sorted(((row[1] * 1e6, row[0], names[k]) for k, row in other_rows.items()
+                   if k not in base_rows), reverse=True)
+    zero = [0.0, 0.0]
+    excess = sorted((((other_rows.get(k, zero)[1] - factor * base_rows.get(k, zero)[1]) * 1e6,
+                      names[k]) for k in set(base_rows) | set(other_rows)), reverse=True)
     return {
         "steps": [bs, os_], "speed_factor": factor,
         "own_us_per_step": [sum(v[2] for v in base.values()) / bs * 1e6,

@@ -206,28 +206,38 @@ def _python_workload(n: int) -> int:
     return len(out)
 
 
-def python_speed(worker, runs: int = 7, n: int = 20000) -> dict:
-    """(In the engine process, on the thread that schedules and steps.)
-    The median time of a fixed pure-Python workload: the process's Python
-    speed, which is what a host-bound step is made of. Two engines whose
-    steps differ by more than their Python speeds do differ in work. With
-    it, what could slow every frame of a process: tracing or profiling
-    hooks, sys.monitoring tools, other threads (which take the GIL), the
-    collector's counts."""
-    import gc
-    import threading
-
+def workload_times(runs: int, n: int) -> list[float]:
+    """Seconds of each of `runs` runs of `_python_workload(n)`."""
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         _python_workload(n)
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def frame_hooks() -> dict:
+    """What this process has set that runs on every frame: tracing and
+    profiling hooks, sys.monitoring tools (Python 3.12 on)."""
     monitoring = getattr(sys, "monitoring", None)
-    return {"ms": statistics.median(times) * 1e3,
-            "threads": sorted(t.name for t in threading.enumerate()),
-            "trace": sys.gettrace() is not None, "profile": sys.getprofile() is not None,
+    return {"trace": sys.gettrace() is not None, "profile": sys.getprofile() is not None,
             "monitoring_tools": ([monitoring.get_tool(i) for i in range(6)]
-                                 if monitoring is not None else None),
+                                 if monitoring is not None else None)}
+
+
+def python_speed(worker, runs: int = 7, n: int = 20000) -> dict:
+    """(In the engine process, on the thread that schedules and steps.)
+    The median time of a fixed pure-Python workload: the process's Python
+    speed, which is what a host-bound step is made of. Two engines whose
+    steps differ by more than their Python speeds do differ in work. With
+    it, what could slow every frame of a process: `frame_hooks`, other
+    threads (which take the GIL), the collector's counts."""
+    import gc
+    import threading
+
+    return {"ms": statistics.median(workload_times(runs, n)) * 1e3,
+            "threads": sorted(t.name for t in threading.enumerate()),
+            **frame_hooks(),
             "gc_counts": list(gc.get_count()), "gc_frozen": gc.get_freeze_count()}
 
 
@@ -646,6 +656,15 @@ def summarise(runs: dict, arms: list[str]) -> dict:
     return out
 
 
+# (key suffix, whether a batch has the reading, its ms) for summarise_groups.
+SPEED_YARDSTICKS = (
+    ("per_output_speed", lambda run: "update_from_output" in run["phases"],
+     lambda run: run["phases"]["update_from_output"]["ms_per_step"]),
+    ("per_python_speed", lambda run: "python_speed" in run,
+     lambda run: run["python_speed"]["ms"]),
+)
+
+
 def summarise_groups(runs: dict, arms: list[str]) -> dict:
     """With several engines per arm (twins): per base arm, each engine's
     median tokens/s and their spread (max / min: how far identical engines
@@ -686,29 +705,19 @@ def summarise_groups(runs: dict, arms: list[str]) -> dict:
                                                  skip=not_drafting_repeats(runs, members))
                 if quiet:
                     row[f"tok_s_over_{base}_by_repeat_not_drafting"] = ratio_summary(quiet)
-            if all("update_from_output" in r["phases"] for a in members + groups[base]
-                   for r in runs[a]):
-                # Each batch's tokens/s times its engine's ms per step in
-                # vLLM's per-request output code, the same work in both arms
-                # at a step that verifies no draft: the engine's speed during
-                # that very batch divided out, what is left is the work each
-                # step does. A diagnostic: a process that runs slower because
-                # of ours is ours' cost all the same.
-                per_output = pooled_ratios_by_repeat(
-                    runs, members, groups[base],
-                    value=lambda run: (run["tok_s"]
-                                       * run["phases"]["update_from_output"]["ms_per_step"]))
-                if per_output:
-                    row[f"tok_s_over_{base}_by_repeat_per_output_speed"] = ratio_summary(
-                        per_output)
-            if all("python_speed" in r for a in members + groups[base] for r in runs[a]):
-                # Each batch's tokens/s times its engine's Python time: what
-                # is left once every engine's Python speed is divided out.
-                norm = pooled_ratios_by_repeat(
-                    runs, members, groups[base],
-                    value=lambda run: run["tok_s"] * run["python_speed"]["ms"])
-                if norm:
-                    row[f"tok_s_over_{base}_by_repeat_per_python_speed"] = ratio_summary(norm)
+            # Each batch's tokens/s times a yardstick of its engine's speed
+            # (ms of the same work): what is left is the work each step does.
+            # `per_output_speed`: vLLM's per-request output code during that
+            # very batch, the same work in both arms at a step that verifies
+            # no draft; `per_python_speed`: the fixed workload after it. A
+            # diagnostic: a process that runs slower because of ours is ours'
+            # cost all the same.
+            for suffix, has, ms in SPEED_YARDSTICKS:
+                if all(has(r) for a in members + groups[base] for r in runs[a]):
+                    ratios = pooled_ratios_by_repeat(
+                        runs, members, groups[base], value=lambda run: run["tok_s"] * ms(run))
+                    if ratios:
+                        row[f"tok_s_over_{base}_by_repeat_{suffix}"] = ratio_summary(ratios)
         out[g] = row
     return out
 
