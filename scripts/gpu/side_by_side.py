@@ -181,6 +181,34 @@ def install_timers(worker, phases: dict, span: tuple | None = None, events=None)
     return state["wrapped"]
 
 
+def install_gc_timer(worker) -> bool:
+    """(In the engine process, after `install_timers`.) Time the cyclic
+    collector: each collection adds its wall time to phase `gc_gen<N>` of
+    the totals (calls, ms), so a batch's per-step tables show what the
+    collector took. A collection's time lands in whatever code triggered
+    it, which a profile then shows as that code running slower. Returns
+    False where it was already installed."""
+    import gc
+    import time as _time
+
+    state = worker._side_by_side
+    if state.get("gc_timer"):
+        return False
+    totals, started = state["totals"], []
+
+    def timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [_time.perf_counter()]
+        elif started:
+            slot = totals.setdefault(f"gc_gen{info['generation']}", [0, 0.0])
+            slot[0] += 1
+            slot[1] += (_time.perf_counter() - started.pop()) * 1e3
+
+    gc.callbacks.append(timer)
+    state["gc_timer"] = timer
+    return True
+
+
 def _python_workload(n: int) -> int:
     """A fixed piece of pure Python in the shape of the scheduler's work
     (small objects, attribute and dict access, short calls, list appends)."""
@@ -238,7 +266,10 @@ def python_speed(worker, runs: int = 7, n: int = 20000) -> dict:
     return {"ms": statistics.median(workload_times(runs, n)) * 1e3,
             "threads": sorted(t.name for t in threading.enumerate()),
             **frame_hooks(),
-            "gc_counts": list(gc.get_count()), "gc_frozen": gc.get_freeze_count()}
+            "gc_counts": list(gc.get_count()), "gc_frozen": gc.get_freeze_count(),
+            # Objects a full collection walks (those frozen at start-up not counted).
+            "gc_tracked": len(gc.get_objects()),
+            "gc_collections": [g["collections"] for g in gc.get_stats()]}
 
 
 def take_totals(worker) -> dict:
@@ -540,6 +571,7 @@ def build_engine(name: str, args, device: str):
                 os.environ[k] = v
     wrapped = llm.collective_rpc(install_timers,
                                  args=(PHASES, SPAN if args.gpu_spans else None))[0]
+    llm.collective_rpc(install_gc_timer)
     cpus = llm.collective_rpc(cpu_affinity)[0]
     print(f"[{name}] started in {start_s:.0f} s on {len(cpus)} CPUs; timers on {wrapped}",
           flush=True)
@@ -739,6 +771,9 @@ def engines_step_ms(runs: dict, members: list[str]) -> dict:
                                          for r in runs[a]) for p in phases})
         if all("python_speed" in r for r in runs[a]):  # ms of the fixed workload
             row["python"] = statistics.median(r["python_speed"]["ms"] for r in runs[a])
+            if all("gc_tracked" in r["python_speed"] for r in runs[a]):
+                row["gc_tracked"] = statistics.median(
+                    r["python_speed"]["gc_tracked"] for r in runs[a])
         per_engine.append(row)
     keys = sorted(set().union(*per_engine), key=lambda k: (k != "step", k))
     return {k: statistics.fmean(e.get(k, 0.0) for e in per_engine) for k in keys}
@@ -974,7 +1009,8 @@ def main() -> None:
                       + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in sorted(ph.items()))
                       + "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items())
                       + (f"; python {run['python_speed']['ms']:.2f} ms, threads "
-                         f"{len(run['python_speed']['threads'])}"
+                         f"{len(run['python_speed']['threads'])}, gc tracked "
+                         f"{run['python_speed']['gc_tracked']}"
                          if "python_speed" in run else ""),
                       flush=True)
             # After each repeat: a run cut off mid-concurrency keeps its batches.

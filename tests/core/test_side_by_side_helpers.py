@@ -420,6 +420,39 @@ def test_python_speed_times_the_workload_and_reports_what_slows_every_frame():
     assert traced["trace"] and traced["ms"] > 1.5 * plain
 
 
+def test_gc_timer_adds_each_collection_to_the_totals_once():
+    import gc
+
+    worker = SimpleNamespace()
+    side_by_side.install_timers(worker, {})
+    try:
+        assert side_by_side.install_gc_timer(worker)
+        assert not side_by_side.install_gc_timer(worker)  # one callback, not two
+        side_by_side.take_totals(worker)
+        garbage = [[i] for i in range(200_000)]  # something for a full collection to walk
+        gc.collect()
+        gc.collect(0)
+        totals = side_by_side.take_totals(worker)
+        calls, ms = totals["gc_gen2"]
+        assert calls >= 1 and ms > 0.0
+        assert totals["gc_gen0"][0] >= 1
+        del garbage
+    finally:
+        gc.callbacks.remove(worker._side_by_side["gc_timer"])
+    # Removed, it counts nothing more (the control: the totals came from it).
+    gc.collect()
+    assert "gc_gen2" not in side_by_side.take_totals(worker)
+
+
+def test_python_speed_counts_the_objects_a_full_collection_walks():
+    before = side_by_side.python_speed(None, runs=1, n=10)["gc_tracked"]
+    kept = [[i] for i in range(50_000)]
+    after = side_by_side.python_speed(None, runs=1, n=10)
+    assert after["gc_tracked"] >= before + 50_000 - 1000
+    assert len(after["gc_collections"]) == 3
+    del kept
+
+
 def test_batches_divided_by_their_engines_python_speed():
     # Ours' engines step 5% slower, and run Python 5% slower: per unit of
     # Python speed the groups are equal, while the plain ratio reads 0.95.

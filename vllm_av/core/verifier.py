@@ -260,6 +260,9 @@ class AdaptiveVerifier:
         self.estimator = estimator or OnlineAcceptanceEstimator(num_speculative_tokens)
         self.selector = selector or select_admitted
         self.depth_entry_margin = DEPTH_ENTRY_MARGIN
+        # Whether choose_depth tallies its depths in `stats` (off where an
+        # adapter counts the depths its steps ran, as the MRV2 manager does).
+        self.counts_depths = True
         # Per-request state lives in slots of preallocated tables: req_id ->
         # slot, freed by `forget` and reused.
         self._slot: dict[str, int] = {}
@@ -368,7 +371,8 @@ class AdaptiveVerifier:
                 self._drafted_since_explore = True
         d = int(min(max(d, min_depth), K))
         self._last_depth = d
-        record_depth(self.stats, d, K)
+        if self.counts_depths:
+            record_depth(self.stats, d, K)
         return d
 
     def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:

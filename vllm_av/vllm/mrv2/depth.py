@@ -47,6 +47,7 @@ class MRV2DepthPolicy(AdaptiveVerifier):
     def __init__(self, manager) -> None:
         super().__init__(manager.num_speculative_steps, manager.cost)
         self.manager = manager
+        self.counts_depths = False  # the manager counts what its steps ran
 
     def stale_scores(self, req_ids: list[str], num_drafted: np.ndarray) -> np.ndarray:
         rows = self.manager.stale_survival(req_ids)  # [R, K]

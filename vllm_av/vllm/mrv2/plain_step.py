@@ -27,8 +27,13 @@ ends as plain V2 decoding does. What is left out, and why nothing reads it:
 - our manager's `record_confidences`, which returns at once after a skipped
   drafter.
 The draft-token handler is still told of the step (an empty draft), as
-before. Nothing here reads a token (DESIGN 2.5): the decision uses the
-step's scheduled counts only.
+vLLM would tell it, but without the gather of the request states' draft
+buffer that vLLM runs first (a [n, 0] device index, which under cProfile
+made up most of the 35-40 us per step that `sample_tokens` still took
+over plain V2's on the H200, thirtieth round); a batch with structured
+output requests keeps vLLM's call (its handler copies drafts back for
+grammar checks). Nothing here reads a token (DESIGN 2.5): the decision
+uses the step's scheduled counts only.
 """
 
 from __future__ import annotations
@@ -70,6 +75,15 @@ def runner_applies(runner) -> bool:
     return not isinstance(getattr(runner, "sampler", None), GPUWatermarkSampler)
 
 
+def note_no_drafts(handler, input_batch) -> None:
+    """What vLLM 0.32's `DraftTokensHandler.set_draft_tokens` records for a
+    batch that drafted nothing and has no structured output request: its
+    requests, no draft, nothing to copy back."""
+    handler.req_ids = input_batch.req_ids
+    handler.num_draft_tokens = 0
+    handler.draft_tokens_np = None
+
+
 def is_plain_step(state) -> bool:
     """Whether the executed step (vLLM's ExecuteModelState) verifies no
     draft and has none to draft."""
@@ -94,7 +108,11 @@ class MRV2PlainZeroDepthStepPatch(VllmPatch):
         a step whose batch verified no draft and whose scheduled depth is 0
         runs the original with the runner's speculator set to None for the
         call (vLLM's own plain path) and notes the drafter as skipped;
-        every other step runs unchanged.
+        without structured output requests also with the runner's
+        `num_speculative_steps` at 0 for the call, so that vLLM skips its
+        draft-token handler's device gather, and the handler is told of
+        the empty draft here (`note_no_drafts`). Every other step runs
+        unchanged.
     Upstream: skip the speculator's bookkeeping in sample_tokens when a
         step schedules no draft and verified none.
     Remove when: vLLM's V2 runner skips it itself.
@@ -113,10 +131,17 @@ class MRV2PlainZeroDepthStepPatch(VllmPatch):
             setattr(self, _APPLIES_ATTR, applies)
         if not applies or not is_plain_step(self.execute_model_state):
             return orig(self, grammar_output)
-        speculator = self.speculator
+        batch = self.execute_model_state.input_batch
+        own_handler = not batch.has_structured_output_reqs
+        speculator, steps = self.speculator, self.num_speculative_steps
         self.speculator = None
+        if own_handler:
+            self.num_speculative_steps = 0
         note_propose(True)
         try:
-            return orig(self, grammar_output)
+            out = orig(self, grammar_output)
         finally:
-            self.speculator = speculator
+            self.speculator, self.num_speculative_steps = speculator, steps
+        if own_handler:
+            note_no_drafts(self.draft_tokens_handler, batch)
+        return out
