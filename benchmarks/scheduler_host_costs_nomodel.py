@@ -16,10 +16,16 @@ EngineCore.step_with_batch_queue), with no model running anywhere, and
 depth lookup are timed with time.perf_counter.
 
     python benchmarks/scheduler_host_costs_nomodel.py --out /tmp/x.json
+
+`--cprofile DIR`: each arm's timed drives also run under cProfile (one
+profile per arm and concurrency, `DIR/<arm>_c<C>.pstats`, compared by
+scripts/gpu/cprofile_compare.py): both arms in one process, so a function
+that reads slower in one arm there cannot be a slower process.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
 import os
@@ -133,6 +139,8 @@ def main() -> int:
                     help="KV block size (the CPU's default is 128, the H200's 16)")
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cprofile", type=Path, default=None,
+                    help="profile each arm's timed drives into DIR/<arm>_c<C>.pstats")
     opts = ap.parse_args()
     os.environ["VLLM_AV_TEST_CPU_ASYNC"] = "1"
     from conftest import make_llm
@@ -161,10 +169,15 @@ def main() -> int:
     for c in [int(x) for x in opts.concurrency.split(",")]:
         drive(arms["plain"], c, opts.max_tokens, "warm-p", opts.prompt_len)
         drive(arms["ours_depth0"], c, opts.max_tokens, "warm-o", opts.prompt_len)
+        profiles = {name: cProfile.Profile() for name in arms} if opts.cprofile else {}
         for rep in range(opts.repeats):
             order = ("plain", "ours_depth0") if rep % 2 == 0 else ("ours_depth0", "plain")
             for name in order:
+                if profiles:
+                    profiles[name].enable()
                 r = drive(arms[name], c, opts.max_tokens, f"{name}-{c}-{rep}", opts.prompt_len)
+                if profiles:
+                    profiles[name].disable()
                 r.update(arm=name, concurrency=c, rep=rep)
                 result["runs"].append(r)
                 m = r["ms_per_step"]
@@ -173,6 +186,9 @@ def main() -> int:
                       f"({r['alloc_us_per_call']:.2f} us/call) lookup {m.get('av_depth_lookup', 0):.3f}"
                       f" depths {r['num_spec_tokens_to_schedule']} spec {r['spec_tokens_scheduled']}",
                       flush=True)
+        for name, prof in profiles.items():
+            opts.cprofile.mkdir(parents=True, exist_ok=True)
+            prof.dump_stats(opts.cprofile / f"{name}_c{c}.pstats")
         if opts.out:
             opts.out.write_text(json.dumps(result, indent=1))
     return 0

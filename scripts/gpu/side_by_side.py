@@ -795,9 +795,11 @@ def not_drafting_repeats(runs: dict, members: list[str]):
 
 def summarise_concurrency(runs: dict, arms: list[str]) -> dict:
     """One concurrency's entry in the JSON: its runs, `summarise`, and
-    `summarise_groups` where some arm has twins."""
+    `summarise_groups` where some arm has twins or the batches carry the
+    engines' Python speed (the per-speed ratios are the groups')."""
     entry = {"runs": runs, "summary": summarise(runs, arms)}
-    if len({base_arm(a) for a in arms}) < len(arms):
+    speed = all("python_speed" in r for a in arms for r in runs[a])
+    if len({base_arm(a) for a in arms}) < len(arms) or (speed and len(arms) > 1):
         entry["groups"] = summarise_groups(runs, arms)
     return entry
 

@@ -471,12 +471,32 @@ def test_batches_divided_by_their_engines_python_speed():
         runs, list(runs))["ours"]
 
 
+def test_one_engine_per_arm_gets_groups_when_its_batches_carry_their_speed():
+    def run(tok_s, r, speed=True):
+        out = dict(_run(tok_s, update_from_output=1.0), repeat=r)
+        if speed:
+            out["python_speed"] = {"ms": 2.0}
+        return out
+
+    runs = {"nospec": [run(100, r) for r in range(3)], "ours": [run(96, r) for r in range(3)]}
+    entry = side_by_side.summarise_concurrency(runs, list(runs))
+    g = entry["groups"]["ours"]
+    assert abs(g["tok_s_over_nospec_by_repeat_per_output_speed"]["median"] - 0.96) < 1e-9
+    # Without the readings (and without twins) the entry has no groups, as before.
+    plain = {a: [run(t, r, speed=False) for r in range(3)] for a, t in (("nospec", 100), ("ours", 96))}
+    assert "groups" not in side_by_side.summarise_concurrency(plain, list(plain))
+
+
 def test_the_python_reading_is_read_back_from_the_log_apart_from_the_host():
     line = ("[C=64 r=0] ours: 13,000 tok/s, 4.80 ms/step; schedule 1.05; host busy_cpus 1.4, "
             "steal_pct 0.0, mhz 2100.0; python 3.25 ms, threads 5")
     run = side_by_side.runs_from_log([line])[64]["ours"][0]
     assert run["host"] == {"busy_cpus": 1.4, "steal_pct": 0.0, "mhz": 2100.0}
     assert run["python_speed"] == {"ms": 3.25}
+    # The tracked-object count that follows since the collector is timed.
+    run = side_by_side.runs_from_log([line + ", gc tracked 2442"])[64]["ours"][0]
+    assert run["python_speed"] == {"ms": 3.25}
+    assert run["host"] == {"busy_cpus": 1.4, "steal_pct": 0.0, "mhz": 2100.0}
 
 
 def test_batches_divided_by_their_engines_output_code_speed():
