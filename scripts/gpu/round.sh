@@ -8,6 +8,8 @@
 #   GREEDY=1 bash scripts/gpu/round.sh focus  # ... with a greedy pass after each temperature pass
 #   bash scripts/gpu/round.sh full        # every arm of the sweep, in two parts (see `full` below)
 #   SIDE_BY_SIDE=a,b bash scripts/gpu/round.sh side  # after a round: scripts/gpu/side_by_side.py alone
+#   SIDE_BY_SIDE=a,b bash scripts/gpu/round.sh side-here  # the same in this call (no polls), results.tgz in $OUT
+#     (with RANDOM_PAIR=1 it needs no model staging: the shortest round)
 #
 # The round runs in its own process session, so it outlives the device
 # call that started it and no call's 10-minute limit cuts a sweep in two:
@@ -58,8 +60,17 @@ case "$MODE" in
     sleep 5
     cat "$JOBLOG"
     exit 0 ;;
+  side-here)
+    # In the foreground: a call that ends with the run leaves no machine to
+    # lose between polls; what it wrote is packed even when it fails.
+    mkdir -p "$RES"
+    JOB_KIND=side bash "$0" job "$ROOT" >> "$JOBLOG" 2>&1 < /dev/null
+    rc=$?
+    tail -30 "$JOBLOG"
+    pack
+    exit $rc ;;
   poll|job) ;;
-  *) echo "usage: round.sh start | focus | full | side | poll [seconds]" >&2; exit 2 ;;
+  *) echo "usage: round.sh start | focus | full | side | side-here | poll [seconds]" >&2; exit 2 ;;
 esac
 
 if [[ "$MODE" == poll ]]; then
