@@ -261,3 +261,50 @@ class RouteAdaptiveVerificationPatch(VllmPatch):
                     "Runner V2 (CUDA only)"
                 )
         type(self)._orig___post_init__(self)
+
+
+def without_metrics_dir(additional_config):
+    """`additional_config` with our entry's `metrics_dir` left out (the same
+    object when there is none to leave out)."""
+    if not isinstance(additional_config, dict):
+        return additional_config
+    entry = additional_config.get(ADDITIONAL_CONFIG_KEY)
+    if not isinstance(entry, dict) or "metrics_dir" not in entry:
+        return additional_config
+    kept = {k: v for k, v in entry.items() if k != "metrics_dir"}
+    return {**additional_config, ADDITIONAL_CONFIG_KEY: kept}
+
+
+class ConfigHashWithoutMetricsDirPatch(VllmPatch):
+    """Leave our metrics directory out of the config's hash.
+
+    Target: vllm.config.vllm:VllmConfig.compute_hash
+    Why: our options ride in `additional_config["vllm_av"]`, which vLLM
+        0.32 hashes whole into the key of its torch.compile caches; their
+        `metrics_dir` is a fresh temporary directory per server unless
+        VLLM_AV_METRICS_DIR names one, so every start of a server with our
+        AV missed the cache and compiled the target and the draft again
+        (on the H200 44 s of a second engine's 154 s start, where a second
+        plain engine loaded its compiled code in under a second).
+    How: hash a shallow copy of the config whose `additional_config` has
+        our entry without `metrics_dir`; the config itself is not touched.
+        Every other option of ours stays in the hash.
+    Upstream: a way to mark additional_config entries as not affecting
+        the compiled graph.
+    Remove when: vLLM hashes only what changes compiled code.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.config.vllm:VllmConfig"
+    attributes = ("compute_hash",)
+
+    def compute_hash(self):
+        orig = type(self)._orig_compute_hash
+        hashed = without_metrics_dir(self.additional_config)
+        if hashed is self.additional_config:
+            return orig(self)
+        import copy
+
+        stand_in = copy.copy(self)
+        stand_in.additional_config = hashed
+        return orig(stand_in)

@@ -45,13 +45,16 @@ def _device_type() -> str:
 
 def all_patches() -> list:
     """Every patch, in the order it is applied."""
-    from vllm_av.vllm.config_patch import RouteAdaptiveVerificationPatch
+    from vllm_av.vllm.config_patch import (ConfigHashWithoutMetricsDirPatch,
+                                           RouteAdaptiveVerificationPatch)
     from vllm_av.vllm.mrv1.patches import MRV1_PATCHES
     from vllm_av.vllm.mrv2.patches import MRV2_PATCHES
 
     return [
         # Config: route the flag to us before vLLM validates it.
         RouteAdaptiveVerificationPatch,
+        # Config: compiled code cached across starts (metrics dir not hashed).
+        ConfigHashWithoutMetricsDirPatch,
         # Model Runner V1: lossless sampling, scoring, budget, trimming, labels.
         *MRV1_PATCHES,
         # Model Runner V2 (CUDA): our estimator and AV manager in vLLM's places.
