@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -303,8 +304,6 @@ class ConfigHashWithoutMetricsDirPatch(VllmPatch):
         hashed = without_metrics_dir(self.additional_config)
         if hashed is self.additional_config:
             return orig(self)
-        import copy
-
         stand_in = copy.copy(self)
         stand_in.additional_config = hashed
         return orig(stand_in)
