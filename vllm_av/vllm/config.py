@@ -196,6 +196,14 @@ class AVOptions:
     # them over holes and with the catch-up (twenty-first). Off: fewer
     # graphs to capture and hold.
     uniform_decode_graphs: bool = True
+    # Model Runner V2: before serving, run vLLM's warm-up steps again with
+    # our AV on (after the cost tables) and vLLM's mixed prefill + decode
+    # step at each block size of the drafter's input kernel, so that Triton
+    # compiles what served steps of ours reach at start-up, not in the step
+    # that first meets it (vllm_av/vllm/mrv2/served_warmup.py). Off: vLLM's
+    # warm-up alone (four spec-decode kernels then compiled while serving
+    # on the H200, thirtieth and thirty-first rounds).
+    served_kernel_warmup: bool = True
     # A cost table (CostModel JSON, as written at VLLM_AV_COST_TABLE_OUT) to
     # use instead of profiling at start-up: reuse a profile across restarts,
     # or plan with another machine's costs.

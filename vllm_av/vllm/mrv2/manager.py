@@ -331,6 +331,25 @@ class AVManager:
                 f.write(self.cost.to_json())
         self._warm_selector()
 
+    def forget_warmup(self) -> None:
+        """After warm-up steps run with our AV on (served_warmup.py): the
+        estimator back to its prior, no landed confidences, counters at
+        zero, so that serving starts as it would have without them."""
+        est = self._estimator()
+        if est is not None:
+            est.forget()
+        for slot in self._slots:
+            if slot.event is not None:
+                slot.event.synchronize()
+            slot.dev.fill_(1.0)
+            slot.host.fill_(1.0)
+            slot.step = slot.refits = -1
+        self._first_record.fill(np.iinfo(np.int64).max)
+        self._conf.fill_(1.0)
+        self._batch = self._prior_cache = self._last_scheduled = None
+        self.stats = ManagerStats()
+        self._ticks = 0
+
     def _warm_selector(self) -> None:
         """Compile the selector now (one static shape: all request slots),
         not at the first served step."""

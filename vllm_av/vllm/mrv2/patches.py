@@ -25,6 +25,7 @@ from vllm_av.vllm.mrv2.manager import AVManager
 from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
 from vllm_av.vllm.mrv2.plain_step import MRV2PlainZeroDepthStepPatch
 from vllm_av.vllm.mrv2.replay_bound import MRV2ReplayBoundPatch
+from vllm_av.vllm.mrv2.served_warmup import MRV2ServedKernelsWarmupPatch
 from vllm_av.vllm.mrv2.uniform_graphs import MRV2UniformDecodeGraphsPatch
 from vllm_av.vllm.patching import VllmPatch
 
@@ -133,7 +134,7 @@ MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
                 MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch,
                 MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch, MRV2DraftMetadataBoundPatch,
-                MRV2PlainZeroDepthStepPatch]
+                MRV2PlainZeroDepthStepPatch, MRV2ServedKernelsWarmupPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:

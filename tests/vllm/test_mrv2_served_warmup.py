@@ -1,0 +1,203 @@
+"""The served-kernel warm-up on Model Runner V2 (served_warmup.py): which
+steps it runs, in what order against the JIT monitor's start, and that
+serving starts from the state it would have had without them."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from conftest import mrv2_req_states  # noqa: E402
+from vllm_av.core.cost_model import CostModel  # noqa: E402
+from vllm_av.vllm.config import AVOptions  # noqa: E402
+from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
+from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
+from vllm_av.vllm.mrv2.served_warmup import (  # noqa: E402
+    MRV2ServedKernelsWarmupPatch,
+    drafter_input_warmup_sizes,
+)
+
+K = 4
+R_MAX = 8
+IDS = ["a", "b", "c"]
+
+
+def _drafter_input_block(longest_query: int) -> int:
+    """vLLM 0.32's block size of the drafter's step-0 input kernel
+    (standalone_ar/speculator.py, prepare_prefill_inputs)."""
+    from vllm.utils.math_utils import next_power_of_2
+
+    return min(512, next_power_of_2(longest_query + 2))
+
+
+def test_mixed_steps_meet_every_block_size_of_the_drafters_input_kernel():
+    sizes = drafter_input_warmup_sizes(max_num_batched_tokens=8192, max_model_len=4096)
+    # The mixed step's longest query is its prefill chunk: num_tokens - 1.
+    blocks = [_drafter_input_block(n - 1) for n in sizes]
+    assert blocks == [8, 16, 32, 64, 128, 256, 512]
+    # Negative control: vLLM's own warm-up queries (1, 2, K + 1, K + 2 with
+    # K = 7) meet two of the eight sizes a served step can.
+    assert {_drafter_input_block(q) for q in (1, 2, 8, 9)} == {4, 16}
+    # Steps no longer than the engine allows.
+    assert drafter_input_warmup_sizes(100, 4096) == [6, 14, 30, 62]
+    assert drafter_input_warmup_sizes(8192, 40) == [6, 14, 30]
+
+
+def _manager():
+    rs = mrv2_req_states(IDS, K, R_MAX)
+    m = AVManager(rs, torch.zeros(R_MAX + 1, dtype=torch.int32), num_bonus_tokens=1,
+                  max_total_logits=10_000, options=AVOptions(metrics_dir=""))
+    m.cost = CostModel.from_samples({1: [1.0], 8: [1.0], 9: [3.0], 64: [30.0]},
+                                    {1: [0.5], 8: [0.5]})
+    return m
+
+
+def _serve_a_step(m, est):
+    """What a warm-up step with our AV on leaves behind: a budget, a record
+    of confidences, the estimator's observation of accepted drafts."""
+    per_req = {r: 1 + K for r in IDS}
+    m.get_num_tokens(per_req, {r: [0] * K for r in IDS})
+    idx = np.arange(len(IDS))
+    batch = SimpleNamespace(num_reqs=len(IDS), idx_mapping=torch.from_numpy(idx),
+                            idx_mapping_np=idx)
+    m.record_confidences(torch.full((len(IDS), K), 0.9), batch)
+    m.record_confidences(torch.full((len(IDS), K), 0.9), batch)  # lands the first
+    rows = torch.arange(R_MAX)
+    est.features[:R_MAX] = 3.0
+    est.verifying = True
+    est.step(rows, torch.full((R_MAX,), K + 1), torch.zeros(R_MAX, dtype=torch.int64))
+
+
+class _Worker:
+    """The fields of vLLM's V2 Worker the hook reads, with vLLM's method
+    (recorded) under the patched name."""
+
+    def __init__(self, runner, *, v2=True, jit_warmup=True):
+        self.use_v2_model_runner = v2
+        self.model_runner = runner
+        self.vllm_config = SimpleNamespace(
+            kernel_config=SimpleNamespace(enable_jit_warmup=jit_warmup),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
+        self.model_config = SimpleNamespace(seed=0)
+        self.parallel_config = SimpleNamespace(data_parallel_index=0)
+        self.calls = []
+
+    def execute_model(self, out):
+        self.calls.append(("execute", sorted(out.finished_req_ids)))
+
+    def sample_tokens(self, grammar):
+        self.calls.append(("sample",))
+
+    def _orig__maybe_activate_jit_monitor(self):
+        self.calls.append(("monitor",))
+
+    _maybe_activate_jit_monitor = MRV2ServedKernelsWarmupPatch._maybe_activate_jit_monitor
+
+
+def _runner(manager):
+    return SimpleNamespace(
+        adaptive_verification=manager, max_model_len=4096,
+        req_states=SimpleNamespace(req_id_to_index={}),
+        kv_connector=SimpleNamespace(set_disabled=lambda flag: None))
+
+
+@pytest.fixture
+def recorded_warmups(monkeypatch):
+    """vLLM's warm-up functions replaced by recorders (no model here)."""
+    import vllm.v1.worker.gpu.warmup as warmup
+
+    log = SimpleNamespace(calls=[], on_warmup=None)
+
+    def warmup_kernels(runner, execute, sample):
+        log.calls.append(("warmup_kernels", runner.adaptive_verification is not None))
+        if log.on_warmup is not None:
+            log.on_warmup(runner)
+
+    def mixed(runner, execute, sample, num_tokens, *, req_id_prefix, **kw):
+        log.calls.append(("mixed", num_tokens, req_id_prefix))
+        return True
+
+    monkeypatch.setattr(warmup, "_warmup_kernels", warmup_kernels)
+    monkeypatch.setattr(warmup, "run_mixed_prefill_decode_warmup", mixed)
+    return log
+
+
+def test_warms_with_our_av_on_then_clears_what_the_steps_taught(recorded_warmups):
+    m = _manager()
+    fresh = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)  # the live one
+    recorded_warmups.on_warmup = lambda runner: _serve_a_step(m, est)
+    worker = _Worker(_runner(m))
+
+    worker._maybe_activate_jit_monitor()
+
+    # vLLM's warm-up steps with our manager in place (AV on), then one mixed
+    # step per block size, all before vLLM's method starts the monitor.
+    assert recorded_warmups.calls[0] == ("warmup_kernels", True)
+    assert [c[1] for c in recorded_warmups.calls[1:]] == [6, 14, 30, 62, 126, 254, 510]
+    assert len({c[2] for c in recorded_warmups.calls[1:]}) == 7  # distinct request ids
+    assert worker.calls == [("monitor",)]
+    # Serving starts from the prior with zero counts, as without the steps.
+    assert m.stats.num_steps == 0 and m.stats.drafted == 0
+    assert all(s.step == -1 for s in m._slots)
+    assert est.totals.tolist() == [0.0, 0.0] and est.core.num_steps == 0
+    torch.testing.assert_close(est.coefficients, fresh.coefficients)
+    # Scores as a manager just built scores them.
+    new = _manager()
+    np.testing.assert_allclose(m.stale_survival(IDS), new.stale_survival(IDS))
+    np.testing.assert_allclose(m.prior_survival_host(), new.prior_survival_host())
+    del est, fresh
+
+
+def test_without_the_clearing_the_warm_up_would_leak_into_serving(recorded_warmups, monkeypatch):
+    # Negative control for the test above: the same steps with the clearing
+    # disabled leave counts and an estimator that has learnt from dummy drafts.
+    m = _manager()
+    est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
+    recorded_warmups.on_warmup = lambda runner: _serve_a_step(m, est)
+    monkeypatch.setattr(AVManager, "forget_warmup", lambda self: None)
+    _Worker(_runner(m))._maybe_activate_jit_monitor()
+    assert m.stats.num_steps == 1
+    assert est.totals.tolist() != [0.0, 0.0]
+    del est
+
+
+@pytest.mark.parametrize("case", ["no_av", "vllms_av", "no_jit_warmup", "v1", "no_costs",
+                                  "option_off"])
+def test_other_workers_get_vllms_method_alone(recorded_warmups, case):
+    m = _manager()
+    manager = {"no_av": None, "vllms_av": SimpleNamespace(cost=m.cost)}.get(case, m)
+    if case == "no_costs":
+        m.cost = None
+    if case == "option_off":
+        m.options = AVOptions(metrics_dir="", served_kernel_warmup=False)
+    worker = _Worker(_runner(manager), v2=case != "v1", jit_warmup=case != "no_jit_warmup")
+    worker._maybe_activate_jit_monitor()
+    assert recorded_warmups.calls == []
+    assert worker.calls == [("monitor",)]
+
+
+def test_a_failed_warm_up_is_logged_cleaned_up_and_serving_still_starts(
+        recorded_warmups, caplog):
+    m = _manager()
+    runner = _runner(m)
+
+    def fail(runner_):
+        runner_.req_states.req_id_to_index.update({"_warmup_0_": 0, "_warmup_1_": 1, "real": 2})
+        raise RuntimeError("workspace is locked")
+
+    recorded_warmups.on_warmup = fail
+    m.stats.num_steps = 5
+    worker = _Worker(runner)
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_av"):
+        worker._maybe_activate_jit_monitor()
+    assert "workspace is locked" in caplog.text
+    # The dummy requests are finished; nothing else is touched.
+    assert worker.calls == [("execute", ["_warmup_0_", "_warmup_1_"]), ("monitor",)]
+    assert m.stats.num_steps == 0

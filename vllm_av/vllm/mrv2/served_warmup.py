@@ -1,0 +1,163 @@
+"""Warm the kernels our served steps reach before serving starts (Model
+Runner V2).
+
+vLLM 0.32's V2 warm-up (`vllm.v1.worker.gpu.warmup.warmup_kernels`) runs
+decode steps with dummy drafts so that Triton compiles the spec-decode
+kernels before the first request; it turns adaptive verification off while
+it does (the costs are not profiled yet), and its steps' queries are 1, 2,
+K + 1 and K + 2 tokens long. Served steps of ours then met kernels it had
+not compiled: on the H200 (thirtieth and thirty-first rounds) vLLM's JIT
+monitor warned, in every engine of ours and in none of plain V2's, of
+`_compute_local_logits_stats_kernel`, `_rejection_kernel`,
+`_prepare_prefill_inputs_kernel` and `_resample_kernel` compiled during
+serving, a stall of about 200 ms in the step that met them. Two causes are
+visible in vLLM's code:
+- the verification of a trimmed (varlen) step, which the AV-off warm-up
+  never runs;
+- the drafter's step-0 input kernel (`standalone_ar.speculator.
+  prepare_prefill_inputs`), whose block size is a compile-time constant,
+  the next power of two of the step's longest query plus two (capped at
+  512): the warm-up meets 4 and 16, a served step of ours any of 4 to 512
+  (a prompt chunk, or a verify trimmed to a few drafts).
+
+After the cost tables exist (capture) and before the JIT monitor starts,
+this runs vLLM's own warm-up steps again with our AV on, then vLLM's mixed
+prefill + decode step once per block-size class of the drafter's input
+kernel, and clears what those steps taught our manager and estimator.
+Nothing here is served: the requests are vLLM's dummy ones, their KV blocks
+are overwritten by the first real requests, and the random seed is reset
+as vLLM resets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm_av.vllm.patching import VllmPatch
+
+logger = logging.getLogger("vllm.vllm_av")
+
+# The drafter's input kernel's block size is min(512, next power of two of
+# (longest query + 2)); vLLM's mixed warm-up step has a prefill chunk of
+# num_tokens - 1 tokens as its longest query, so 2**k - 2 tokens meet the
+# block size 2**k.
+DRAFTER_INPUT_BLOCK_CAP = 512
+
+
+def drafter_input_warmup_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Token counts of the mixed warm-up steps: one per block-size class of
+    the drafter's input kernel from 8 to 512 that a step can reach."""
+    sizes = []
+    block = 8
+    while block <= DRAFTER_INPUT_BLOCK_CAP:
+        n = block - 2
+        if n <= max_num_batched_tokens and n - 1 <= max_model_len:
+            sizes.append(n)
+        block *= 2
+    return sizes
+
+
+def _ours(runner):
+    """Our AV manager with its cost tables and option served_kernel_warmup
+    on, else None (plain vLLM, vLLM's own AV, the option off)."""
+    manager = getattr(runner, "adaptive_verification", None)
+    if manager is None or not hasattr(manager, "forget_warmup"):
+        return None
+    if manager.cost is None or not manager.options.served_kernel_warmup:
+        return None
+    return manager
+
+
+def _clean_up(runner, execute_model) -> None:
+    """Finish every dummy request a failed warm-up step may have left."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.finished_req_ids = {r for r in runner.req_states.req_id_to_index
+                            if r.startswith(("_warmup_", "_vllm_av_warm"))}
+    if out.finished_req_ids:
+        execute_model(out)
+    runner.kv_connector.set_disabled(False)
+
+
+def warm_served_kernels(worker) -> bool:
+    """vLLM's warm-up steps with our AV on, then the drafter's input kernel
+    at every block size, on a V2 worker whose AV manager is ours. Returns
+    whether it ran. A failure is logged and leaves serving as vLLM set it
+    up (those kernels then compile when first met)."""
+    if not getattr(worker, "use_v2_model_runner", False):
+        return False
+    if not worker.vllm_config.kernel_config.enable_jit_warmup:
+        return False
+    runner = worker.model_runner
+    manager = _ours(runner)
+    if manager is None:
+        return False
+    import torch
+    from vllm.utils.torch_utils import set_random_seed
+    from vllm.v1.worker.gpu.warmup import _warmup_kernels, run_mixed_prefill_decode_warmup
+
+    sched = worker.vllm_config.scheduler_config
+    sizes = drafter_input_warmup_sizes(sched.max_num_batched_tokens, runner.max_model_len)
+    t0 = time.perf_counter()
+    ran = []
+    try:
+        with torch.inference_mode():
+            _warmup_kernels(runner, worker.execute_model, worker.sample_tokens)
+            for n in sizes:
+                if run_mixed_prefill_decode_warmup(
+                        runner, worker.execute_model, worker.sample_tokens, n,
+                        req_id_prefix=f"_vllm_av_warm{n}"):
+                    ran.append(n)
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+    except Exception as e:  # noqa: BLE001 - serving must still start
+        logger.warning("vllm-av (MRV2): warm-up of the served kernels failed (%s: %s); "
+                       "they compile when first met", type(e).__name__, e)
+        _clean_up(runner, worker.execute_model)
+        ran = None
+    finally:
+        manager.forget_warmup()
+        set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
+    if ran is None:
+        return False
+    logger.info("vllm-av (MRV2): served kernels warmed in %.2f s (vLLM's warm-up steps with "
+                "our AV on; drafter inputs of %s tokens)", time.perf_counter() - t0,
+                ", ".join(map(str, ran)) or "no")
+    return True
+
+
+class MRV2ServedKernelsWarmupPatch(VllmPatch):
+    """Compile the kernels our served steps reach before serving starts.
+
+    Target: vllm.v1.worker.gpu_worker:Worker._maybe_activate_jit_monitor
+    Why: vLLM 0.32's V2 warm-up runs with adaptive verification off and
+        with queries of 1, 2, K + 1 and K + 2 tokens; a served step of ours
+        (a trimmed verify, the drafter's input kernel at another block
+        size) compiled `_compute_local_logits_stats_kernel`,
+        `_rejection_kernel`, `_prepare_prefill_inputs_kernel` and
+        `_resample_kernel` while serving, about 200 ms in that step (JIT
+        monitor warnings on the H200, thirtieth and thirty-first rounds).
+    How: the worker calls this method once, after capture (our cost tables
+        built) and before the JIT monitor starts; first, on a V2 worker
+        whose AV manager is ours (option served_kernel_warmup, on by
+        default), `warm_served_kernels` runs vLLM's
+        `_warmup_kernels` steps again with our AV on, then vLLM's mixed
+        prefill + decode warm-up step at 6, 14, ..., 510 tokens (each block
+        size of the drafter's input kernel), clears our manager's and
+        estimator's state (`AVManager.forget_warmup`) and resets the seed;
+        then vLLM's method. Other workers: vLLM's method alone.
+    Upstream: warm the spec-decode kernels with adaptive verification on
+        (after its costs), and the drafter's input kernel over its block sizes.
+    Remove when: vLLM's V2 warm-up covers both.
+    vLLM: 0.32.0
+    """
+
+    target = "vllm.v1.worker.gpu_worker:Worker"
+    attributes = ("_maybe_activate_jit_monitor",)
+    platforms = ("cuda",)
+
+    def _maybe_activate_jit_monitor(self) -> None:
+        warm_served_kernels(self)
+        getattr(type(self), "_orig__maybe_activate_jit_monitor")(self)
