@@ -559,6 +559,8 @@ def build_engine(name: str, args, device: str):
             extra["gpu_memory_utilization"] = 0.12
         if args.enforce_eager:
             extra["enforce_eager"] = True
+        if args.jit_monitor_verbose:
+            extra["jit_monitor_verbose"] = True
         llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(args.concurrency), seed=0, speculative_config=spec,
                   generation_config="vllm", **extra, **kwargs)
@@ -931,6 +933,9 @@ def main() -> None:
                         "(e.g. 0-7; the engines inherit it), so that each engine steps on "
                         "the same cores and a difference in host speed between engine "
                         "processes is not one of placement")
+    p.add_argument("--jit-monitor-verbose", action="store_true",
+                   help="vLLM's JIT monitor logs every kernel compiled while serving with "
+                        "its constants and signature (default: one warning per kernel name)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="engines without CUDA graphs or compilation (fast start-ups; "
                         "host costs of the forward are then the eager ones); arms "
