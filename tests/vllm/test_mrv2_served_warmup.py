@@ -115,7 +115,11 @@ def recorded_warmups(monkeypatch):
     log = SimpleNamespace(calls=[], on_warmup=None)
 
     def warmup_kernels(runner, execute, sample):
-        log.calls.append(("warmup_kernels", runner.adaptive_verification is not None))
+        from vllm import SamplingParams
+
+        # The requests' sampling parameters, as vLLM's function builds them.
+        log.calls.append(("warmup_kernels", runner.adaptive_verification is not None,
+                          SamplingParams.for_sampler_warmup()))
         if log.on_warmup is not None:
             log.on_warmup(runner)
 
@@ -137,11 +141,22 @@ def test_warms_with_our_av_on_then_clears_what_the_steps_taught(recorded_warmups
 
     worker._maybe_activate_jit_monitor()
 
-    # vLLM's warm-up steps with our manager in place (AV on), then one mixed
+    # vLLM's warm-up steps with our manager in place (AV on), with vLLM's
+    # sampling parameters and then with plain temperature 1, then one mixed
     # step per block size, all before vLLM's method starts the monitor.
-    assert recorded_warmups.calls[0] == ("warmup_kernels", True)
-    assert [c[1] for c in recorded_warmups.calls[1:]] == [6, 14, 30, 62, 126, 254, 510]
-    assert len({c[2] for c in recorded_warmups.calls[1:]}) == 7  # distinct request ids
+    from vllm import SamplingParams
+
+    (_, av_on, theirs), (_, av_on_again, plain) = recorded_warmups.calls[:2]
+    assert av_on and av_on_again
+    assert theirs.temperature == 0.9 and theirs.top_k == 50 and theirs.repetition_penalty > 1
+    # Nothing the sampler processes: its logits stay in the model's dtype.
+    assert plain.temperature == 1.0 and plain.top_p == 1.0 and plain.top_k in (0, -1)
+    assert plain.min_p == 0 and plain.repetition_penalty == 1 and not plain.logit_bias
+    assert plain.frequency_penalty == 0 and plain.presence_penalty == 0
+    assert SamplingParams.for_sampler_warmup().temperature == 0.9  # vLLM's, restored
+    mixed = recorded_warmups.calls[2:]
+    assert [c[1] for c in mixed] == [6, 14, 30, 62, 126, 254, 510]
+    assert len({c[2] for c in mixed}) == 7  # distinct request ids
     assert worker.calls == [("monitor",)]
     # Serving starts from the prior with zero counts, as without the steps.
     assert m.stats.num_steps == 0 and m.stats.drafted == 0
@@ -163,7 +178,7 @@ def test_without_the_clearing_the_warm_up_would_leak_into_serving(recorded_warmu
     recorded_warmups.on_warmup = lambda runner: _serve_a_step(m, est)
     monkeypatch.setattr(AVManager, "forget_warmup", lambda self: None)
     _Worker(_runner(m))._maybe_activate_jit_monitor()
-    assert m.stats.num_steps == 1
+    assert m.stats.num_steps == 2  # one per run of vLLM's warm-up steps
     assert est.totals.tolist() != [0.0, 0.0]
     del est
 

@@ -197,7 +197,8 @@ class AVOptions:
     # graphs to capture and hold.
     uniform_decode_graphs: bool = True
     # Model Runner V2: before serving, run vLLM's warm-up steps again with
-    # our AV on (after the cost tables) and vLLM's mixed prefill + decode
+    # our AV on (after the cost tables; with vLLM's sampling parameters and
+    # with plain temperature-1 ones) and vLLM's mixed prefill + decode
     # step at each block size of the drafter's input kernel, so that Triton
     # compiles what served steps of ours reach at start-up, not in the step
     # that first meets it (vllm_av/vllm/mrv2/served_warmup.py). Off: vLLM's

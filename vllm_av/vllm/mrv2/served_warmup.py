@@ -3,26 +3,32 @@ Runner V2).
 
 vLLM 0.32's V2 warm-up (`vllm.v1.worker.gpu.warmup.warmup_kernels`) runs
 decode steps with dummy drafts so that Triton compiles the spec-decode
-kernels before the first request; it turns adaptive verification off while
-it does (the costs are not profiled yet), and its steps' queries are 1, 2,
-K + 1 and K + 2 tokens long. Served steps of ours then met kernels it had
-not compiled: on the H200 (thirtieth and thirty-first rounds) vLLM's JIT
+kernels before the first request. Served steps of ours then met kernels it
+had not compiled: on the H200 (thirtieth and thirty-first rounds) vLLM's JIT
 monitor warned, in every engine of ours and in none of plain V2's, of
 `_compute_local_logits_stats_kernel`, `_rejection_kernel`,
 `_prepare_prefill_inputs_kernel` and `_resample_kernel` compiled during
-serving, a stall of about 200 ms in the step that met them. Two causes are
-visible in vLLM's code:
-- the verification of a trimmed (varlen) step, which the AV-off warm-up
-  never runs;
+serving, a stall of about 200 ms in the step that met them. What its
+warm-up leaves out:
 - the drafter's step-0 input kernel (`standalone_ar.speculator.
-  prepare_prefill_inputs`), whose block size is a compile-time constant,
-  the next power of two of the step's longest query plus two (capped at
-  512): the warm-up meets 4 and 16, a served step of ours any of 4 to 512
-  (a prompt chunk, or a verify trimmed to a few drafts).
+  prepare_prefill_inputs`) has a compile-time block size, the next power
+  of two of the step's longest query plus two (capped at 512); the
+  warm-up's queries (1, 2, K + 1 and K + 2 tokens) meet 4 and 16, a served
+  step any of 4 to 512 (a prompt chunk, a verify trimmed to a few drafts);
+- its requests carry every sampling feature (`SamplingParams.
+  for_sampler_warmup`: penalties, top-k, top-p, temperature 0.9), so its
+  rejection sampler sees logits copied to float32; requests at temperature
+  1 or 0 with nothing else need no processing and hand it the model's
+  bfloat16 logits, another specialization of the three rejection kernels
+  (`target_logits_ptr` typed `*bf16` by the verbose JIT monitor in the
+  thirty-third round);
+- it runs with adaptive verification off (its costs are not profiled
+  yet), so no trimmed (varlen) verify goes through it.
 
 After the cost tables exist (capture) and before the JIT monitor starts,
-this runs vLLM's own warm-up steps again with our AV on, then vLLM's mixed
-prefill + decode step once per block-size class of the drafter's input
+this runs vLLM's own warm-up steps again with our AV on, once with vLLM's
+sampling parameters and once with plain temperature-1 ones, then vLLM's
+mixed prefill + decode step once per block size of the drafter's input
 kernel, and clears what those steps taught our manager and estimator.
 Nothing here is served: the requests are vLLM's dummy ones, their KV blocks
 are overwritten by the first real requests, and the random seed is reset
@@ -31,6 +37,7 @@ as vLLM resets it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -69,6 +76,21 @@ def _ours(runner):
     return manager
 
 
+@contextlib.contextmanager
+def _plain_sampling_params():
+    """vLLM's warm-up requests at temperature 1 and nothing else (no logits
+    processing: the sampler gets the model's own logits dtype) instead of
+    `SamplingParams.for_sampler_warmup`'s every feature."""
+    from vllm import SamplingParams
+
+    saved = SamplingParams.__dict__["for_sampler_warmup"]
+    SamplingParams.for_sampler_warmup = staticmethod(lambda: SamplingParams(temperature=1.0))
+    try:
+        yield
+    finally:
+        SamplingParams.for_sampler_warmup = saved
+
+
 def _clean_up(runner, execute_model) -> None:
     """Finish every dummy request a failed warm-up step may have left."""
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -105,6 +127,8 @@ def warm_served_kernels(worker) -> bool:
     try:
         with torch.inference_mode():
             _warmup_kernels(runner, worker.execute_model, worker.sample_tokens)
+            with _plain_sampling_params():
+                _warmup_kernels(runner, worker.execute_model, worker.sample_tokens)
             for n in sizes:
                 if run_mixed_prefill_decode_warmup(
                         runner, worker.execute_model, worker.sample_tokens, n,
@@ -118,12 +142,14 @@ def warm_served_kernels(worker) -> bool:
         _clean_up(runner, worker.execute_model)
         ran = None
     finally:
-        manager.forget_warmup()
+        with torch.inference_mode():  # the warm-up's steps made inference tensors
+            manager.forget_warmup()
         set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
     if ran is None:
         return False
     logger.info("vllm-av (MRV2): served kernels warmed in %.2f s (vLLM's warm-up steps with "
-                "our AV on; drafter inputs of %s tokens)", time.perf_counter() - t0,
+                "our AV on, with its sampling parameters and at plain temperature 1; drafter "
+                "inputs of %s tokens)", time.perf_counter() - t0,
                 ", ".join(map(str, ran)) or "no")
     return True
 
@@ -132,25 +158,30 @@ class MRV2ServedKernelsWarmupPatch(VllmPatch):
     """Compile the kernels our served steps reach before serving starts.
 
     Target: vllm.v1.worker.gpu_worker:Worker._maybe_activate_jit_monitor
-    Why: vLLM 0.32's V2 warm-up runs with adaptive verification off and
-        with queries of 1, 2, K + 1 and K + 2 tokens; a served step of ours
-        (a trimmed verify, the drafter's input kernel at another block
-        size) compiled `_compute_local_logits_stats_kernel`,
-        `_rejection_kernel`, `_prepare_prefill_inputs_kernel` and
-        `_resample_kernel` while serving, about 200 ms in that step (JIT
-        monitor warnings on the H200, thirtieth and thirty-first rounds).
+    Why: vLLM 0.32's V2 warm-up runs with adaptive verification off, with
+        queries of 1, 2, K + 1 and K + 2 tokens and with requests whose
+        sampling features make the sampler's logits float32; served steps
+        of ours (the drafter's input kernel at another block size, a
+        temperature-1 batch's bfloat16 logits) compiled
+        `_compute_local_logits_stats_kernel`, `_rejection_kernel`,
+        `_prepare_prefill_inputs_kernel` and `_resample_kernel` while
+        serving, about 200 ms in that step (JIT monitor warnings on the
+        H200, thirtieth to thirty-third rounds).
     How: the worker calls this method once, after capture (our cost tables
         built) and before the JIT monitor starts; first, on a V2 worker
         whose AV manager is ours (option served_kernel_warmup, on by
-        default), `warm_served_kernels` runs vLLM's
-        `_warmup_kernels` steps again with our AV on, then vLLM's mixed
-        prefill + decode warm-up step at 6, 14, ..., 510 tokens (each block
-        size of the drafter's input kernel), clears our manager's and
-        estimator's state (`AVManager.forget_warmup`) and resets the seed;
-        then vLLM's method. Other workers: vLLM's method alone.
-    Upstream: warm the spec-decode kernels with adaptive verification on
-        (after its costs), and the drafter's input kernel over its block sizes.
-    Remove when: vLLM's V2 warm-up covers both.
+        default), `warm_served_kernels` runs vLLM's `_warmup_kernels` steps
+        again with our AV on, twice (vLLM's sampling parameters, then plain
+        temperature 1: `SamplingParams.for_sampler_warmup` swapped for the
+        call), then vLLM's mixed prefill + decode warm-up step at 6, 14,
+        ..., 510 tokens (each block size of the drafter's input kernel),
+        clears our manager's and estimator's state
+        (`AVManager.forget_warmup`) and resets the seed; then vLLM's
+        method. Other workers: vLLM's method alone.
+    Upstream: warm the rejection kernels for unprocessed (model-dtype)
+        logits and with adaptive verification on (after its costs), and the
+        drafter's input kernel over its block sizes.
+    Remove when: vLLM's V2 warm-up covers all three.
     vLLM: 0.32.0
     """
 
