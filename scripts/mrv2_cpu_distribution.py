@@ -16,10 +16,16 @@ attention, eager drafter.
 
     python scripts/mrv2_cpu_distribution.py --n 1024 --variant catch_up --trim
     python scripts/mrv2_cpu_distribution.py --n 256 --method eagle --trim
+    python scripts/mrv2_cpu_distribution.py --n 128 --variant holes --trim --served-warmup
+
+`--served-warmup` first runs our served-kernel warm-up in the worker (a
+CUDA worker's start-up step, which the CPU worker never reaches) and
+reports what it left behind.
 
 About 8 minutes for 1,024 samples on two cores. Interpreter stand-ins:
 masks of mixed dtypes are cast to bool, and libdevice's log1p (the one
-V2 uses) is computed as log(1 + x).
+V2 uses) is computed as log(1 + x), and top-k / top-p take vLLM's torch
+path.
 """
 
 from __future__ import annotations
@@ -82,6 +88,20 @@ def _lift_refusals() -> None:
 
     rs.tldevice = Libdevice
 
+    # Top-k / top-p by vLLM's torch path: its Triton kernel does not run
+    # interpreted (vLLM's warm-up requests use both).
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+    import vllm.v1.worker.gpu.sample.sampler as v2_sampler
+    import vllm.v1.worker.gpu.sample.states as v2_states
+
+    def torch_top_k_top_p(logits, k, p):
+        if k is None and p is None:
+            return logits
+        return topk_topp.apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+
+    for module in (topk_topp, v2_sampler, v2_states):
+        module.apply_top_k_top_p = torch_top_k_top_p
+
     import vllm.config.vllm as config
     import vllm.v1.worker.gpu.model_runner as runner
     import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
@@ -142,6 +162,39 @@ def start_engine(target: str, speculative_config: dict | None, managers: list):
     return llm
 
 
+def served_warmup(worker) -> dict:
+    """(In the engine process, after start-up.) Our served-kernel warm-up
+    (vllm_av/vllm/mrv2/served_warmup.py), which a CUDA worker runs before
+    its JIT monitor starts and the CPU worker never reaches, run in the
+    worker as that hook would; then what it left behind."""
+    from vllm_av.vllm.mrv2.served_warmup import warm_served_kernels
+
+    worker.vllm_config.kernel_config.enable_jit_warmup = True
+    runner = worker.model_runner
+    manager = runner.adaptive_verification
+    seen = {"execute_calls": 0, "budgeted_before_clearing": None}
+    execute, forget = worker.execute_model, manager.forget_warmup
+
+    def counted_execute(out):
+        seen["execute_calls"] += 1
+        return execute(out)
+
+    def counted_forget():
+        seen["budgeted_before_clearing"] = manager.stats.num_steps
+        forget()
+
+    worker.execute_model, manager.forget_warmup = counted_execute, counted_forget
+    try:
+        ran = warm_served_kernels(worker)
+    finally:
+        del worker.execute_model, manager.forget_warmup
+    return {"ran": ran, **seen,
+            "dummy_requests_left": [r for r in runner.req_states.req_id_to_index
+                                    if r.startswith(("_warmup_", "_vllm_av_warm"))],
+            "manager_steps": manager.stats.num_steps,
+            "landed_records": [slot.step for slot in manager._slots]}
+
+
 def engine(cfg: dict) -> None:
     _lift_refusals()
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -158,6 +211,8 @@ def engine(cfg: dict) -> None:
     if spec["method"] == "draft_model":
         spec["draft_sample_method"] = "probabilistic"
     llm = start_engine(cfg["target"], spec, managers)
+    if cfg.get("served_warmup"):
+        print("SERVED_WARMUP " + json.dumps(llm.collective_rpc(served_warmup)[0]), flush=True)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
                         use_tqdm=False)
@@ -179,6 +234,9 @@ def main() -> None:
     ap.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
                     help="the drafter: the tiny draft model, or a random tiny EAGLE head "
                          "over the target's hidden states (V2's EAGLE speculator)")
+    ap.add_argument("--served-warmup", action="store_true",
+                    help="run our served-kernel warm-up in the worker after start-up (as "
+                         "a CUDA worker does before its JIT monitor starts), then sample")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -205,7 +263,7 @@ def main() -> None:
                      **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle,
-           "method": args.method}
+           "method": args.method, "served_warmup": args.served_warmup}
     print(f"[mrv2-cpu] {args.method}, {args.variant}, depths {args.depth_cycle}, "
           f"{'trimming' if args.trim else 'no trimming'}, "
           f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
@@ -217,6 +275,8 @@ def main() -> None:
     if proc.returncode != 0 or not lines:
         sys.exit(f"[mrv2-cpu] engine failed ({proc.returncode}); see {work}/engine.log")
     plain = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PLAIN_STEPS ")]
+    warmed = [json.loads(l[len("SERVED_WARMUP "):]) for l in proc.stdout.splitlines()
+              if l.startswith("SERVED_WARMUP ")]
     import numpy as np
 
     tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
@@ -225,7 +285,8 @@ def main() -> None:
                       "prompt_len": len(prompt),
                       "depth_cycle": args.depth_cycle, "plain_steps": plain[-1],
                       "n": len(tokens), "p_values": p_values(tokens, exact),
-                      "av_counters": read_snapshot(str(work / "metrics"))}))
+                      "av_counters": read_snapshot(str(work / "metrics")),
+                      "served_warmup": warmed[-1] if warmed else None}))
 
 
 if __name__ == "__main__":

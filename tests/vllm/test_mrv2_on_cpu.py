@@ -70,3 +70,20 @@ def test_our_v2_path_serves_an_eagle_drafter_on_the_cpu():
     assert result["method"] == "eagle"
     assert stats["trimmed"] > 0 and stats["verified"] > 0, stats
     assert stats["depth_steps"] == 0 and stats["zero_depth_steps"] == 0, stats
+
+
+def test_the_served_kernel_warm_up_runs_through_our_v2_path_and_leaves_nothing_behind():
+    """Our served-kernel warm-up (vllm_av/vllm/mrv2/served_warmup.py), which a
+    CUDA worker runs before its JIT monitor starts, run in the CPU worker
+    after start-up: vLLM's warm-up steps through our manager (AV on), the
+    mixed steps, then serving from a cleared state."""
+    result = run_script("--n", "128", "--variant", "holes", "--trim", "--served-warmup")
+    warm = result["served_warmup"]
+    print(warm)
+    assert warm["ran"] is True
+    # It ran engine steps, and our manager budgeted some of them (AV on).
+    assert warm["execute_calls"] >= 20 and warm["budgeted_before_clearing"] > 0, warm
+    # Nothing left: no dummy request, no step counted, no record landed.
+    assert warm["dummy_requests_left"] == [] and warm["manager_steps"] == 0, warm
+    assert warm["landed_records"] == [-1, -1], warm
+    assert result["n"] == 128

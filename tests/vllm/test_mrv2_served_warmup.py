@@ -37,16 +37,25 @@ def _drafter_input_block(longest_query: int) -> int:
 
 
 def test_mixed_steps_meet_every_block_size_of_the_drafters_input_kernel():
-    sizes = drafter_input_warmup_sizes(max_num_batched_tokens=8192, max_model_len=4096)
+    sizes = drafter_input_warmup_sizes(max_num_batched_tokens=8192, max_model_len=4096,
+                                       vocab_size=151936, num_speculative_steps=7)
     # The mixed step's longest query is its prefill chunk: num_tokens - 1.
     blocks = [_drafter_input_block(n - 1) for n in sizes]
     assert blocks == [8, 16, 32, 64, 128, 256, 512]
-    # Negative control: vLLM's own warm-up queries (1, 2, K + 1, K + 2 with
-    # K = 7) meet two of the eight sizes a served step can.
+    # Negative control: vLLM's own warm-up queries (1, 2, K + 1 and K + 2
+    # with K = 7) meet two of the eight sizes a served step can.
     assert {_drafter_input_block(q) for q in (1, 2, 8, 9)} == {4, 16}
-    # Steps no longer than the engine allows.
-    assert drafter_input_warmup_sizes(100, 4096) == [6, 14, 30, 62]
-    assert drafter_input_warmup_sizes(8192, 40) == [6, 14, 30]
+
+
+def test_mixed_steps_stay_inside_the_batch_the_vocabulary_and_the_model_length():
+    assert drafter_input_warmup_sizes(100, 4096, 151936, 7) == [6, 14, 30, 62]
+    # vLLM's mixed step prompts ids 0, 1, ...: a 64-token test vocabulary
+    # takes prefills of at most 64 tokens (ids past it are out of the
+    # embedding's range: an illegal memory access on a GPU).
+    assert drafter_input_warmup_sizes(8192, 4096, 64, 3) == [6, 14, 30, 62]
+    # The request and the drafter's lookahead inside the model's length.
+    assert drafter_input_warmup_sizes(8192, 256, 151936, 3) == [6, 14, 30, 62, 126]
+    assert drafter_input_warmup_sizes(8192, 40, 151936, 7) == [6, 14]
 
 
 def _manager():
@@ -83,7 +92,8 @@ class _Worker:
         self.model_runner = runner
         self.vllm_config = SimpleNamespace(
             kernel_config=SimpleNamespace(enable_jit_warmup=jit_warmup),
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
         self.model_config = SimpleNamespace(seed=0)
         self.parallel_config = SimpleNamespace(data_parallel_index=0)
         self.calls = []

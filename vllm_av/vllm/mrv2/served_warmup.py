@@ -52,14 +52,20 @@ logger = logging.getLogger("vllm.vllm_av")
 DRAFTER_INPUT_BLOCK_CAP = 512
 
 
-def drafter_input_warmup_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+def drafter_input_warmup_sizes(max_num_batched_tokens: int, max_model_len: int,
+                               vocab_size: int, num_speculative_steps: int) -> list[int]:
     """Token counts of the mixed warm-up steps: one per block-size class of
-    the drafter's input kernel from 8 to 512 that a step can reach."""
+    the drafter's input kernel from 8 to 512 that a step can reach. vLLM's
+    mixed step prompts token ids 0, 1, ..., so its prefill must stay inside
+    the vocabulary (a tiny test model's 64 tokens: ids past it index the
+    embedding out of range, an illegal memory access on a GPU), and its
+    request, with the drafter's lookahead, inside the model's length."""
     sizes = []
     block = 8
     while block <= DRAFTER_INPUT_BLOCK_CAP:
         n = block - 2
-        if n <= max_num_batched_tokens and n - 1 <= max_model_len:
+        if (n <= max_num_batched_tokens and n - 1 <= vocab_size
+                and n + 2 * (num_speculative_steps + 1) <= max_model_len):
             sizes.append(n)
         block *= 2
     return sizes
@@ -121,7 +127,9 @@ def warm_served_kernels(worker) -> bool:
     from vllm.v1.worker.gpu.warmup import _warmup_kernels, run_mixed_prefill_decode_warmup
 
     sched = worker.vllm_config.scheduler_config
-    sizes = drafter_input_warmup_sizes(sched.max_num_batched_tokens, runner.max_model_len)
+    sizes = drafter_input_warmup_sizes(
+        sched.max_num_batched_tokens, runner.max_model_len,
+        worker.vllm_config.model_config.get_vocab_size(), manager.num_speculative_steps)
     t0 = time.perf_counter()
     ran = []
     try:
@@ -139,7 +147,13 @@ def warm_served_kernels(worker) -> bool:
     except Exception as e:  # noqa: BLE001 - serving must still start
         logger.warning("vllm-av (MRV2): warm-up of the served kernels failed (%s: %s); "
                        "they compile when first met", type(e).__name__, e)
-        _clean_up(runner, worker.execute_model)
+        try:
+            _clean_up(runner, worker.execute_model)
+        except Exception as cleanup_error:  # noqa: BLE001
+            # A device fault is sticky: what failed is reported first, the
+            # engine's own next call then reports the device's state.
+            logger.warning("vllm-av (MRV2): and its clean-up failed (%s: %s)",
+                           type(cleanup_error).__name__, cleanup_error)
         ran = None
     finally:
         with torch.inference_mode():  # the warm-up's steps made inference tensors
