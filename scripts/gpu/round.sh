@@ -137,6 +137,10 @@ av_tests() {  # on $CUDA_VISIBLE_DEVICES; AV_TESTS: a pytest -k selection
   # The fused estimator kernels against their torch operations (seconds).
   timeout 300 python3 -m pytest -v -s tests/gpu/test_gpu_fused.py > "$RES/tests_gpu_fused.log" 2>&1
   log "tests/gpu fused exit $?"
+  # No spec-decode kernel of ours compiled while serving (tiny pair, with the
+  # served-kernel warm-up and without it; about 150 s).
+  timeout 400 python3 -m pytest -v -s tests/gpu/test_gpu_served_warmup.py > "$RES/tests_gpu_served_warmup.log" 2>&1
+  log "tests/gpu served warm-up exit $?"
   # Host time and waits of those kernels and the verify layout (seconds).
   timeout 300 python3 benchmarks/mrv2_host_costs.py --out "$RES/mrv2_host_costs_h200.json" \
     > "$RES/mrv2_host_costs.log" 2>&1

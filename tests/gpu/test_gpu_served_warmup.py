@@ -1,0 +1,71 @@
+"""Our served-kernel warm-up on the GPU: an engine of ours compiles none of
+the spec-decode kernels it serves with after start-up.
+
+Skipped without CUDA or vLLM. Two engines of ours on the tiny test pair in
+bfloat16 (scripts/gpu/jit_check.py), every step drafting K: one with the
+warm-up (the default), one without it (VLLM_AV_SERVED_KERNEL_WARMUP=0, the
+negative control: vLLM's warm-up leaves the rejection kernels for
+unprocessed bfloat16 logits and our estimator's observation to the first
+served steps). vLLM's own top-p kernels are not counted: plain V2 compiles
+them while serving too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS_TO_WARM = {"_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
+                "_prepare_prefill_inputs_kernel", "_observe_kernel"}
+
+
+def _jit_check():
+    spec = importlib.util.spec_from_file_location("jit_check", ROOT / "scripts/gpu/jit_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from tiny_models import build_tiny_models
+
+    models = build_tiny_models(tmp_path_factory.mktemp("tiny_models"))
+    check = _jit_check()
+    import time
+
+    t0 = time.perf_counter()
+    procs = {v: check.start_variant(v, str(models.target), str(models.draft), 3, 256, "bfloat16")
+             for v in ("on", "off")}
+    out = {v: check.finish_variant(v, p, t0, 600) for v, p in procs.items()}
+    for r in out.values():
+        print(r["variant"], r["rc"], r["start_s"], r["compiled_while_serving"], r["served_warmup"])
+    return out
+
+
+def _ours(names):
+    return {n for n in names if n in OURS_TO_WARM or n.startswith("_observe_kernel")}
+
+
+def test_with_the_warm_up_nothing_of_ours_compiles_while_serving(compiled):
+    on = compiled["on"]
+    assert on["rc"] == 0 and on["served"], on["log_tail"]
+    assert on["served_warmup"], "the served-kernel warm-up did not run"
+    assert not _ours(on["compiled_while_serving"]), on["compiled_lines"]
+
+
+def test_without_it_the_rejection_kernels_compile_while_serving(compiled):
+    # Negative control: the check sees what the warm-up removes.
+    off = compiled["off"]
+    assert off["rc"] == 0 and off["served"], off["log_tail"]
+    assert {"_rejection_kernel", "_resample_kernel"} <= _ours(off["compiled_while_serving"])
