@@ -6,8 +6,9 @@ verbose, serves batches at temperature 1, at temperature 0 and with top-p,
 every step drafting (VLLM_AV_TEST_FIXED_DEPTH=K, so that the rejection
 sampler runs from the first step), and counts the kernels the monitor saw
 compiled after warm-up. Variants: `on` (the served-kernel warm-up, our
-default) and `off` (VLLM_AV_SERVED_KERNEL_WARMUP=0: vLLM's warm-up alone,
-the negative control).
+default), `off` (VLLM_AV_SERVED_KERNEL_WARMUP=0: vLLM's warm-up alone,
+the negative control) and, with `--variants on,off,plain`, `plain` (vLLM
+without speculation: what its warm-up leaves to serving in any engine).
 
     python scripts/gpu/jit_check.py --target T --draft D --out jit_check.json
 
@@ -32,11 +33,12 @@ ENGINE = textwrap.dedent(
     from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
     t0 = time.perf_counter()
+    spec = None if cfg["plain"] else {"method": "draft_model", "model": cfg["draft"],
+                                      "num_speculative_tokens": cfg["k"],
+                                      "enable_adaptive_verification": True}
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
               max_num_seqs=64, gpu_memory_utilization=0.2, seed=0, jit_monitor_verbose=True,
-              speculative_config={"method": "draft_model", "model": cfg["draft"],
-                                  "num_speculative_tokens": cfg["k"],
-                                  "enable_adaptive_verification": True})
+              speculative_config=spec)
     print(f"STARTED {time.perf_counter() - t0:.1f}", flush=True)
     # Token ids below the tiny test models' vocabulary (64); lengths that
     # meet several block sizes of the drafter's input kernel.
@@ -51,17 +53,20 @@ ENGINE = textwrap.dedent(
     """
 )
 
-VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}}
+# Ours with the served-kernel warm-up, ours without it (the negative
+# control), and plain vLLM without speculation (what vLLM's own warm-up
+# leaves to serving in any engine).
+VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}, "plain": {"VLLM_AV_IMPL": "off"}}
 COMPILED = re.compile(r"JIT compilation during inference: (\w+)")
 
 
 def start_variant(name: str, target: str, draft: str, k: int, max_model_len: int,
                   dtype: str, fixed_depth: bool = True):
     env = dict(os.environ, **VARIANTS[name])
-    if fixed_depth:
+    if fixed_depth and name != "plain":
         env["VLLM_AV_TEST_FIXED_DEPTH"] = str(k)
     cfg = {"target": target, "draft": draft, "k": k, "max_model_len": max_model_len,
-           "dtype": dtype}
+           "dtype": dtype, "plain": name == "plain"}
     return subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
