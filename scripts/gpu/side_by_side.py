@@ -870,6 +870,28 @@ def runs_from_json(path: str) -> dict:
             for c, entry in result.get("by_concurrency", {}).items() if entry.get("runs")}
 
 
+def pool_sittings(paths: list[str]) -> dict:
+    """Per concurrency that every run in `paths` (JSONs of separate sittings,
+    each its own engines) has: each group's pooled ratio per repeat over the
+    first group's, the repeats of all sittings together (each sitting's
+    ratios from its own engines, `pooled_ratios_by_repeat`)."""
+    sittings = [runs_from_json(p) for p in paths]
+    out: dict = {"sittings": paths, "by_concurrency": {}}
+    for c in sorted(set.intersection(*(set(s) for s in sittings))):
+        ratios: dict[str, list] = {}
+        for runs in sittings:
+            groups: dict[str, list[str]] = {}
+            for arm in runs[c]:
+                groups.setdefault(base_arm(arm), []).append(arm)
+            base = next(iter(groups))
+            for g, members in list(groups.items())[1:]:
+                key = f"{g}_over_{base}_by_repeat"
+                ratios.setdefault(key, []).extend(
+                    pooled_ratios_by_repeat(runs[c], members, groups[base]))
+        out["by_concurrency"][c] = {k: ratio_summary(v) for k, v in ratios.items() if v}
+    return out
+
+
 def summarise_log(path: str) -> dict:
     """The JSON's summaries rebuilt from a log (`runs_from_log`), over the
     repeats in which every arm ran; arms ordered as in the log. The run's
@@ -944,8 +966,20 @@ def main() -> None:
                    help="start no engine: rebuild the summaries from LOG, a run's log "
                         "(one that was cut off before it wrote its JSON) or its JSON "
                         "(every batch with unrounded phase times), into --out")
+    p.add_argument("--pool", nargs="+", metavar="JSON",
+                   help="start no engine: pool the per-repeat group ratios of several "
+                        "sittings' JSONs (each with its own engines) into --out")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.pool:
+        result = pool_sittings(args.pool)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        for c, rows in result["by_concurrency"].items():
+            print(f"[C={c}] " + "; ".join(
+                f"{k} {v['median']:.3f} ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['repeats']} repeats)"
+                for k, v in rows.items()))
+        return
     if args.summarise_log:
         if not os.path.isfile(args.summarise_log):
             raise SystemExit(f"--summarise-log {args.summarise_log}: no such file")

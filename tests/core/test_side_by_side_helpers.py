@@ -538,3 +538,25 @@ def test_a_finished_run_is_summarised_again_from_its_json(tmp_path):
     per = result["by_concurrency"]["64"]["groups"]["ours"][
         "tok_s_over_nospec_by_repeat_per_output_speed"]
     assert abs(per["median"] - 0.9) < 1e-9 and abs(per["min"] - 0.9) < 1e-9
+
+
+def test_sittings_pool_their_repeats_each_over_its_own_engines(tmp_path):
+    # Two sittings with engines of different speeds: each repeat's ratio is
+    # taken within its sitting, and the pooled summary holds all repeats.
+    def sitting(name, plain, ours, repeats, only_c=None):
+        runs = {"nospec": [{"tok_s": plain, "repeat": r} for r in range(repeats)],
+                "nospec_twin": [{"tok_s": plain, "repeat": r} for r in range(repeats)],
+                "ours": [{"tok_s": ours, "repeat": r} for r in range(repeats)],
+                "ours_twin": [{"tok_s": ours, "repeat": r} for r in range(repeats)]}
+        by_c = {c: {"runs": runs} for c in (only_c or ("1", "64"))}
+        path = tmp_path / name
+        path.write_text(json.dumps({"by_concurrency": by_c}))
+        return str(path)
+
+    a = sitting("a.json", 100.0, 90.0, 3)         # ratio 0.9 in each repeat
+    b = sitting("b.json", 50.0, 55.0, 2, ("64",))  # 1.1, from slower engines
+    pooled = side_by_side.pool_sittings([a, b])
+    assert list(pooled["by_concurrency"]) == [64]  # only what both sittings ran
+    row = pooled["by_concurrency"][64]["ours_over_nospec_by_repeat"]
+    assert row["repeats"] == 5
+    assert abs(row["median"] - 0.9) < 1e-9 and abs(row["max"] - 1.1) < 1e-9
