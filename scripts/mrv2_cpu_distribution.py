@@ -167,7 +167,7 @@ def served_warmup(worker) -> dict:
     (vllm_av/vllm/mrv2/served_warmup.py), which a CUDA worker runs before
     its JIT monitor starts and the CPU worker never reaches, run in the
     worker as that hook would; then what it left behind."""
-    from vllm_av.vllm.mrv2.served_warmup import warm_served_kernels
+    from vllm_av.vllm.mrv2.served_warmup import DUMMY_REQUEST_PREFIXES, warm_served_kernels
 
     worker.vllm_config.kernel_config.enable_jit_warmup = True
     runner = worker.model_runner
@@ -190,7 +190,7 @@ def served_warmup(worker) -> dict:
         del worker.execute_model, manager.forget_warmup
     return {"ran": ran, **seen,
             "dummy_requests_left": [r for r in runner.req_states.req_id_to_index
-                                    if r.startswith(("_warmup_", "_vllm_av_warm"))],
+                                    if r.startswith(DUMMY_REQUEST_PREFIXES)],
             "manager_steps": manager.stats.num_steps,
             "landed_records": [slot.step for slot in manager._slots]}
 

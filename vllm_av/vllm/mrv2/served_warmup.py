@@ -50,6 +50,9 @@ logger = logging.getLogger("vllm.vllm_av")
 # num_tokens - 1 tokens as its longest query, so 2**k - 2 tokens meet the
 # block size 2**k.
 DRAFTER_INPUT_BLOCK_CAP = 512
+# Request ids of the warm-up's dummy requests: vLLM's warm-up steps', then
+# our mixed steps' (one prefix per size).
+DUMMY_REQUEST_PREFIXES = ("_warmup_", "_vllm_av_warm")
 
 
 def drafter_input_warmup_sizes(max_num_batched_tokens: int, max_model_len: int,
@@ -103,7 +106,7 @@ def _clean_up(runner, execute_model) -> None:
 
     out = SchedulerOutput.make_empty()
     out.finished_req_ids = {r for r in runner.req_states.req_id_to_index
-                            if r.startswith(("_warmup_", "_vllm_av_warm"))}
+                            if r.startswith(DUMMY_REQUEST_PREFIXES)}
     if out.finished_req_ids:
         execute_model(out)
     runner.kv_connector.set_disabled(False)
@@ -140,7 +143,7 @@ def warm_served_kernels(worker) -> bool:
             for n in sizes:
                 if run_mixed_prefill_decode_warmup(
                         runner, worker.execute_model, worker.sample_tokens, n,
-                        req_id_prefix=f"_vllm_av_warm{n}"):
+                        req_id_prefix=f"{DUMMY_REQUEST_PREFIXES[1]}{n}"):
                     ran.append(n)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
@@ -205,4 +208,4 @@ class MRV2ServedKernelsWarmupPatch(VllmPatch):
 
     def _maybe_activate_jit_monitor(self) -> None:
         warm_served_kernels(self)
-        getattr(type(self), "_orig__maybe_activate_jit_monitor")(self)
+        type(self)._orig__maybe_activate_jit_monitor(self)
