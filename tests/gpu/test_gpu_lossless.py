@@ -232,14 +232,33 @@ def test_our_av_on_model_runner_v2_with_an_eagle_head_matches_target_distributio
         models, exact, cost_table, tmp_path):
     """vLLM's V2 EAGLE speculator (a random tiny EAGLE head over the
     target's hidden states, tests/vllm/tiny_models.py) under our V2 manager,
-    estimator and budget, with CUDA graphs, as served: every step drafts K
-    (V2's EAGLE has no depth seam of ours) and the budget trims."""
+    estimator and budget, with CUDA graphs, as served: adaptive depth
+    chooses each step's depth (vllm_av/vllm/mrv2/target_drafter.py) and the
+    budget trims."""
     from tiny_models import build_eagle_draft
 
     pvals, stats = _sample_on_v2(build_eagle_draft(models), exact, cost_table, tmp_path,
                                  "MRV2 with EAGLE", {}, method="eagle")
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["verified"] > 0 and stats["trimmed"] > 0, stats
+
+
+def test_eagle_at_every_depth_on_model_runner_v2_matches_target_distribution(
+        models, exact, cost_table, tmp_path):
+    """The EAGLE head at depths 0, 1, K, 2 in turn (a schedule that reads
+    no token): depth 0 runs its first forward alone, depth 2 replays the
+    fused decode loop's graph captured for depth 2
+    (MRV2TargetDrafterGraphsPatch), and the slots past each depth carry
+    the prior (MRV2TargetDrafterDepthPatch). Same statistic and threshold
+    as above."""
+    from tiny_models import build_eagle_draft
+
+    pvals, stats = _sample_on_v2(build_eagle_draft(models), exact, cost_table, tmp_path,
+                                 "MRV2 with EAGLE, depths 0,1,K,2", {}, method="eagle",
+                                 alternate_depth="0,1,K,2")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["verified"] > 0, stats
+    assert stats["zero_depth_steps"] > 0 and stats["depth_steps"] > stats["zero_depth_steps"], stats
 
 
 # Depth forced to alternate 0, K on Model Runner V2 with depth 0 skipping

@@ -330,12 +330,17 @@ def test_factory_returns_ours_only_with_our_options(monkeypatch):
     ours_cfg = SimpleNamespace(additional_config={"vllm_av": AVOptions().to_dict()})
     theirs_cfg = SimpleNamespace(additional_config={})
     m = patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=ours_cfg)
-    assert isinstance(m, AVManager)
+    assert isinstance(m, AVManager) and not m.first_forward_at_zero
     m = patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=theirs_cfg)
     assert not isinstance(m, AVManager) and m is not None
+    # An EAGLE drafter: its first forward runs at depth 0 (target_drafter.py).
+    eagle_cfg = SimpleNamespace(additional_config={"vllm_av": AVOptions().to_dict()},
+                                speculative_config=SimpleNamespace(method="eagle"))
+    m = patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=eagle_cfg)
+    assert isinstance(m, AVManager) and m.first_forward_at_zero and not m.parallel_drafter
     kwargs["enable_adaptive_verification"] = False
     assert patches.maybe_create_adaptive_verification_manager(**kwargs, vllm_config=ours_cfg) is None
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 # ------------------------------------------------------------- routing

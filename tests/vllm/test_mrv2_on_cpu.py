@@ -58,18 +58,19 @@ def test_steps_that_verify_and_draft_nothing_end_as_plain_decoding_on_the_cpu():
     assert stats["zero_depth_steps"] > 0 and stats["admitted"] > 0 and stats["trimmed"] > 0, stats
 
 
-def test_our_v2_path_serves_an_eagle_drafter_on_the_cpu():
+def test_our_v2_path_serves_an_eagle_drafter_at_every_depth_on_the_cpu():
     """vLLM's V2 EAGLE speculator (a random tiny EAGLE head over the
-    target's hidden states) under our V2 manager and estimator: its drafts
-    are sized by our budget (trimmed), verified, and their outcomes fitted.
-    V2's EAGLE has no depth seam of ours, so every step drafts K (no depth
-    choices are counted)."""
-    result = run_script("--n", "256", "--method", "eagle", "--trim")
+    target's hidden states) under our V2 manager and estimator, its depth
+    scheduled by our adaptive depth (vllm_av/vllm/mrv2/target_drafter.py)
+    and forced through 0, 1, K, 2: every one of those depths is run, and
+    the drafts are sized by our budget (trimmed) and verified."""
+    result = run_script("--n", "256", "--method", "eagle", "--trim", "--depth-cycle", "0,1,K,2")
     stats = result["av_counters"]
     print(result)
     assert result["method"] == "eagle"
     assert stats["trimmed"] > 0 and stats["verified"] > 0, stats
-    assert stats["depth_steps"] == 0 and stats["zero_depth_steps"] == 0, stats
+    counts = stats["depth_counts"]
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0 and counts[-1] > 0, stats
 
 
 def test_the_served_kernel_warm_up_runs_through_our_v2_path_and_leaves_nothing_behind():

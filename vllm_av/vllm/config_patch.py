@@ -116,16 +116,22 @@ def mrv2_available() -> bool:
     return available()
 
 
-# Speculators whose drafting depth Model Runner V2 can be told each step.
+# Speculators whose drafting depth Model Runner V2 can be told each step,
+# besides those fed by the target's hidden states (uses_target_drafter).
 MRV2_DEPTH_METHODS = ("draft_model", "ngram", "ngram_gpu")
 
 
 def mrv2_schedules_depth(spec, options) -> bool:
     """Whether Model Runner V2 chooses each step's drafting depth: adaptive
     depth on and a speculator that honours it: the draft model
-    (MRV2DraftDepthPatch: any depth) or ngram (MRV2NgramAVPatch: depth 0
-    skips its scan; any other depth drafts all K, priced so)."""
-    return bool(options.adaptive_depth and spec.method in MRV2_DEPTH_METHODS)
+    (MRV2DraftDepthPatch: any depth), ngram (MRV2NgramAVPatch: depth 0
+    skips its scan; any other depth drafts all K, priced so), or EAGLE /
+    single-module MTP (MRV2TargetDrafterDepthPatch: the first forward at
+    every depth, then d - 1 more)."""
+    from vllm_av.vllm.mrv2.target_drafter import uses_target_drafter
+
+    return bool(options.adaptive_depth
+                and (spec.method in MRV2_DEPTH_METHODS or uses_target_drafter(spec)))
 
 
 def route_mrv2(vllm_config) -> None:

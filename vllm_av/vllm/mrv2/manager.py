@@ -160,6 +160,7 @@ class AVManager:
         rank: int = 0,
         parallel_drafter: bool = False,
         draft_model: bool = False,
+        first_forward_at_zero: bool = False,
     ):
         self.req_states = req_states
         if options is not None and options.drafter_catch_up:
@@ -175,11 +176,16 @@ class AVManager:
         # A drafter that proposes all K at once (ngram): any depth above 0
         # costs its whole drafting step, and only depth 0 saves it.
         self.parallel_drafter = parallel_drafter
-        # A separate draft model (MRV2DraftDepthPatch stops it at the depth
-        # it is given): with adaptive depth its drafting is also profiled at
-        # depth 1, whose first forward costs more than 1/K of a K-deep step.
-        self.profile_depth_one = bool(draft_model and self.options.scheduled_depth
-                                      and K > 1)
+        # A drafter fed by the target's hidden states (EAGLE, MTP): its first
+        # forward runs at every depth, 0 included, over the step's accepted
+        # tokens (MRV2TargetDrafterDepthPatch), so depth 0 is priced as it.
+        self.first_forward_at_zero = first_forward_at_zero
+        # An autoregressive drafter stopped at the depth it is given (a
+        # separate draft model, MRV2DraftDepthPatch; EAGLE / MTP): with
+        # adaptive depth its drafting is also profiled at depth 1, whose
+        # first forward costs more than 1/K of a K-deep step.
+        self.profile_depth_one = bool((draft_model or first_forward_at_zero)
+                                      and self.options.scheduled_depth and K > 1)
         self._profiled = (0, 0)  # dummy runs yielded at depth K, then at depth 1
         self.cost: CostModel | None = None
         if self.options.cost_table:
@@ -502,10 +508,11 @@ class AVManager:
     def _start_depth_policy(self) -> None:
         """Adaptive depth (options.scheduled_depth): depth 0 skips the
         drafter on V2 (MRV2DraftDepthPatch), so it is priced free, or runs
-        its first forward alone (option zero_depth_skips_drafter off), priced
-        as that forward; the scheduler finds this manager as its process's
-        verifier."""
-        skips = self.options.zero_depth_skips_drafter or self.parallel_drafter
+        its first forward alone (option zero_depth_skips_drafter off, or an
+        EAGLE / MTP drafter), priced as that forward; the scheduler finds
+        this manager as its process's verifier."""
+        skips = ((self.options.zero_depth_skips_drafter or self.parallel_drafter)
+                 and not self.first_forward_at_zero)
         self.cost.free_zero_depth = skips
         self.cost.zero_depth_forward = not skips
         if self.parallel_drafter:

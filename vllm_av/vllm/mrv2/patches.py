@@ -26,6 +26,8 @@ from vllm_av.vllm.mrv2.ngram import MRV2NgramAVPatch
 from vllm_av.vllm.mrv2.plain_step import MRV2PlainZeroDepthStepPatch
 from vllm_av.vllm.mrv2.replay_bound import MRV2ReplayBoundPatch
 from vllm_av.vllm.mrv2.served_warmup import MRV2ServedKernelsWarmupPatch
+from vllm_av.vllm.mrv2.target_drafter import (MRV2TargetDrafterDepthPatch,
+                                              MRV2TargetDrafterGraphsPatch, uses_target_drafter)
 from vllm_av.vllm.mrv2.uniform_graphs import MRV2UniformDecodeGraphsPatch
 from vllm_av.vllm.patching import VllmPatch
 
@@ -57,6 +59,7 @@ def maybe_create_adaptive_verification_manager(**kwargs):
         rank = get_tp_group().rank_in_group
     except Exception:  # noqa: BLE001 - no TP group: rank 0
         pass
+    method = _speculative_method(kwargs["vllm_config"])
     manager = AVManager(
         kwargs["req_states"],
         kwargs["query_start_loc"],
@@ -64,8 +67,10 @@ def maybe_create_adaptive_verification_manager(**kwargs):
         kwargs["max_total_logits"],
         options=options,
         rank=rank,
-        parallel_drafter=_speculative_method(kwargs["vllm_config"]) in ("ngram", "ngram_gpu"),
-        draft_model=_speculative_method(kwargs["vllm_config"]) == "draft_model",
+        parallel_drafter=method in ("ngram", "ngram_gpu"),
+        draft_model=method == "draft_model",
+        first_forward_at_zero=uses_target_drafter(
+            getattr(kwargs["vllm_config"], "speculative_config", None)),
     )
     logger.info(
         "vllm-av: adaptive verification on Model Runner V2 (K=%d, ours)",
@@ -134,7 +139,8 @@ MRV2_PATCHES = [MRV2EstimatorPatch, MRV2FactoryPatch, MRV2DraftDepthPatch,
                 MRV2DrafterGraphsPatch, MRV2NgramAVPatch,
                 MRV2UniformDecodeGraphsPatch, MRV2DraftLayerMetadataPatch,
                 MRV2CatchUpInputsPatch, MRV2ReplayBoundPatch, MRV2DraftMetadataBoundPatch,
-                MRV2PlainZeroDepthStepPatch, MRV2ServedKernelsWarmupPatch]
+                MRV2PlainZeroDepthStepPatch, MRV2ServedKernelsWarmupPatch,
+                MRV2TargetDrafterDepthPatch, MRV2TargetDrafterGraphsPatch]
 
 
 def mrv2_available(device_type: str | None = None) -> bool:
