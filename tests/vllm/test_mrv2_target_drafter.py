@@ -220,6 +220,9 @@ def test_the_fused_decode_loop_is_captured_once_per_depth():
     assert all(isinstance(x, SpeculatorBatchDescriptor) for x in descs)
     assert [x.num_speculative_tokens for x in descs] == [4, 3, 2]
     assert {x.num_tokens for x in descs} == {8}
+    # A second capture (the descriptors already per depth) captures the same.
+    g.capture(_generate_fused_drafts, "state")
+    assert g.captured[0] == descs
 
 
 @pytest.mark.parametrize("case", ["unfused", "prefill", "depth_off", "vllm_specializes"])

@@ -61,6 +61,20 @@ def depths_to_capture(num_speculative_steps: int) -> list[int]:
     return list(range(int(num_speculative_steps), 1, -1))
 
 
+def per_depth_descriptors(descs, depths, descriptor_cls) -> list:
+    """One `descriptor_cls` per (size, depth), deepest first per size; a
+    list already made so (a second capture) gives the same list."""
+    out, seen = [], set()
+    for desc in descs:
+        fields = {k: v for k, v in vars(desc).items() if k != "num_speculative_tokens"}
+        for d in depths:
+            made = descriptor_cls(**fields, num_speculative_tokens=d)
+            if made not in seen:
+                seen.add(made)
+                out.append(made)
+    return out
+
+
 class MRV2TargetDrafterDepthPatch(VllmPatch):
     """Keep EAGLE / MTP drafting at the scheduled depth consistent with our
     manager and cost profile.
@@ -149,8 +163,7 @@ class MRV2TargetDrafterGraphsPatch(VllmPatch):
 
         depths = depths_to_capture(self.vllm_config.num_speculative_tokens)
         self._capture_descs = {
-            mode: [SpeculatorBatchDescriptor(**vars(desc), num_speculative_tokens=d)
-                   for desc in descs for d in depths]
+            mode: per_depth_descriptors(descs, depths, SpeculatorBatchDescriptor)
             for mode, descs in self._capture_descs.items()
         }
         return orig(self, forward_fn, *args, specialize_spec_tokens=False, **kwargs)
