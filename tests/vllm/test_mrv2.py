@@ -192,6 +192,25 @@ def test_new_request_is_scored_with_the_estimator_prior():
     del est
 
 
+def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean(monkeypatch):
+    """A drafter with a trained confidence head (DSpark): vLLM builds no
+    acceptance estimator, and the prior row a new request is budgeted with
+    is the mean of the head's confidences the last record carried, per
+    position. Negative control: before any record the row is 1.0 (every
+    draft a sure accept), what the budget would read without this."""
+    ids = ["a", "b"]
+    m = _manager(ids)
+    monkeypatch.setattr(m, "_estimator", lambda: None)
+    assert (m._slots[m._stale_idx].np[R_MAX] == 1.0).all()
+    head = torch.tensor([[0.9, 0.6, 0.3, 0.2], [0.5, 0.2, 0.1, 0.0]])[:, :K]
+    m.record_confidences(head, _batch([0, 1]))
+    m.record_confidences(head, _batch([0, 1]))  # the first record has landed
+    stale = m._slots[m._stale_idx]
+    np.testing.assert_allclose(stale.np[R_MAX], head.mean(0).numpy(), rtol=1e-6)
+    rows = m.stale_survival(["a", "new"])
+    np.testing.assert_allclose(rows[1], np.cumprod(head.mean(0).numpy()), rtol=1e-5)
+
+
 def test_zero_and_full_budgets():
     ids = ["a", "b"]
     m = _manager(ids)

@@ -394,6 +394,11 @@ class AVManager:
                 out.dev[self.R].copy_(est.prior_confidences())
                 out.stats_dev[2:].copy_(est.coefficients)
                 out.refits = refits
+        else:
+            # A trained confidence head (DSpark; vLLM then builds no
+            # estimator): a request not yet recorded is budgeted at this
+            # step's mean confidence per position, not as a sure accept.
+            out.dev[self.R].copy_(self._conf[input_batch.idx_mapping].mean(0))
         out.step = self._record_step
         self._record_step += 1
         if self._copy_stream is None:
