@@ -7,15 +7,18 @@ process so that V2's Triton kernels run under Triton's interpreter and our
 V2 patches (normally CUDA-only) serve the flag: the manager, estimator,
 adaptive depth, depth-0 steps that skip the drafter and the drafter's
 catch-up. It samples the tiny random-weight pair of the CPU distribution
-test (or, with `--method eagle`, the tiny target with a random EAGLE
-head, V2's EAGLE speculator) at temperature 1 and prints the chi-square p-values of the first
+test (or, with `--method`, the tiny target with a random EAGLE, DSpark
+or DFlash head, or a tiny MiMo target with its own MTP layer: V2's
+other speculators) at temperature 1 and prints the chi-square p-values of the first
 three tokens against the exact target distribution, with our /metrics
 counters. A check before spending GPU time, not a substitute for the GPU
 test (tests/gpu/test_gpu_lossless.py): no CUDA graphs, float32, CPU
 attention, eager drafter.
 
     python scripts/mrv2_cpu_distribution.py --n 1024 --variant catch_up --trim
-    python scripts/mrv2_cpu_distribution.py --n 256 --method eagle --trim
+    python scripts/mrv2_cpu_distribution.py --n 256 --method eagle --trim --depth-cycle 0,1,K,2
+    python scripts/mrv2_cpu_distribution.py --n 256 --method mtp --trim --depth-cycle 0,1,K,2
+    python scripts/mrv2_cpu_distribution.py --n 128 --method dspark --trim
     python scripts/mrv2_cpu_distribution.py --n 128 --variant holes --trim --served-warmup
 
 `--served-warmup` first runs our served-kernel warm-up in the worker (a
@@ -195,6 +198,19 @@ def served_warmup(worker) -> dict:
             "landed_records": [slot.step for slot in manager._slots]}
 
 
+def speculator_info(worker) -> dict:
+    """(In the engine process.) Which speculator served, whether it scored
+    slots with a trained confidence head or with our estimator, and the
+    prior row our manager last landed (what a new request is budgeted at)."""
+    runner = worker.model_runner
+    spec, manager = runner.speculator, runner.adaptive_verification
+    landed = manager._slots[manager._stale_idx]
+    return {"speculator": type(spec).__name__,
+            "confidence_head": bool(getattr(spec, "use_confidence_head", False)),
+            "estimator": type(getattr(spec, "acceptance_estimator", None)).__name__,
+            "landed_prior_row": [round(float(x), 4) for x in landed.np[manager.R]]}
+
+
 def engine(cfg: dict) -> None:
     _lift_refusals()
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -208,7 +224,9 @@ def engine(cfg: dict) -> None:
 
     spec = {"method": cfg.get("method", "draft_model"), "model": cfg["draft"],
             "num_speculative_tokens": cfg["k"], "enable_adaptive_verification": True}
-    if spec["method"] == "draft_model":
+    if spec["method"] == "mtp":
+        del spec["model"]  # the MTP layer is in the target's checkpoint
+    if spec["method"] == "draft_model" or cfg.get("probabilistic"):
         spec["draft_sample_method"] = "probabilistic"
     llm = start_engine(cfg["target"], spec, managers)
     if cfg.get("served_warmup"):
@@ -216,6 +234,7 @@ def engine(cfg: dict) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": cfg["prompt"]}] * cfg["n"], params,
                         use_tqdm=False)
+    print("SPECULATOR " + json.dumps(llm.collective_rpc(speculator_info)[0]), flush=True)
     print(f"PLAIN_STEPS {plain[0]}")
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
@@ -231,9 +250,18 @@ def main() -> None:
     ap.add_argument("--depth-cycle", default="0,K",
                     help="the depths forced in turn, K for K (K,0,0: the last step verifies "
                          "and drafts nothing, so it ends as plain decoding)")
-    ap.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
-                    help="the drafter: the tiny draft model, or a random tiny EAGLE head "
-                         "over the target's hidden states (V2's EAGLE speculator)")
+    ap.add_argument("--method", choices=("draft_model", "eagle", "mtp", "dspark", "dflash"),
+                    default="draft_model",
+                    help="the drafter: the tiny draft model, a random tiny EAGLE head "
+                         "over the target's hidden states (V2's EAGLE speculator), a tiny "
+                         "MiMo target's own MTP layer (V2's MTP speculator; the target is "
+                         "then that MiMo model), or a random tiny Qwen3 DSpark / DFlash head "
+                         "over its aux hidden states (V2's parallel DSpark / DFlash "
+                         "speculators: all K in one pass)")
+    ap.add_argument("--no-confidence-head", action="store_true",
+                    help="dspark: a head without its confidence head (our estimator scores)")
+    ap.add_argument("--probabilistic", action="store_true",
+                    help="eagle/dspark/dflash: draft_sample_method probabilistic")
     ap.add_argument("--served-warmup", action="store_true",
                     help="run our served-kernel warm-up in the worker after start-up (as "
                          "a CUDA worker does before its JIT monitor starts), then sample")
@@ -245,7 +273,8 @@ def main() -> None:
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]
     from test_lossless_cpu import K, LONG_PROMPT, NUM_TOKENS, PROMPT, p_values
-    from tiny_models import build_eagle_draft, build_tiny_models, first_tokens_distribution
+    from tiny_models import (build_dflash_draft, build_dspark_draft, build_eagle_draft,
+                             build_mtp_target, build_tiny_models, first_tokens_distribution)
 
     from vllm_av.core.cost_model import CostModel
     from vllm_av.vllm.metrics import read_snapshot
@@ -254,6 +283,12 @@ def main() -> None:
     models = build_tiny_models(work / "models")
     if args.method == "eagle":
         models = build_eagle_draft(models)
+    elif args.method == "dspark":
+        models = build_dspark_draft(models, confidence_head=not args.no_confidence_head)
+    elif args.method == "dflash":
+        models = build_dflash_draft(models)
+    elif args.method == "mtp":
+        models = build_mtp_target(work / "models")
     prompt = PROMPT if args.short_prompt else LONG_PROMPT
     costs = work / "costs.json"
     costs.write_text(CostModel.from_samples(TRIM_COSTS if args.trim else FLAT_COSTS,
@@ -263,7 +298,8 @@ def main() -> None:
                      **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle,
-           "method": args.method, "served_warmup": args.served_warmup}
+           "method": args.method, "served_warmup": args.served_warmup,
+           "probabilistic": args.probabilistic}
     print(f"[mrv2-cpu] {args.method}, {args.variant}, depths {args.depth_cycle}, "
           f"{'trimming' if args.trim else 'no trimming'}, "
           f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
@@ -277,6 +313,8 @@ def main() -> None:
     plain = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PLAIN_STEPS ")]
     warmed = [json.loads(l[len("SERVED_WARMUP "):]) for l in proc.stdout.splitlines()
               if l.startswith("SERVED_WARMUP ")]
+    served_by = [json.loads(l[len("SPECULATOR "):]) for l in proc.stdout.splitlines()
+                 if l.startswith("SPECULATOR ")]
     import numpy as np
 
     tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
@@ -286,7 +324,8 @@ def main() -> None:
                       "depth_cycle": args.depth_cycle, "plain_steps": plain[-1],
                       "n": len(tokens), "p_values": p_values(tokens, exact),
                       "av_counters": read_snapshot(str(work / "metrics")),
-                      "served_warmup": warmed[-1] if warmed else None}))
+                      "served_warmup": warmed[-1] if warmed else None,
+                      "speculator": served_by[-1] if served_by else None}))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ SAMPLE = textwrap.dedent(
         skipped_meta = count_draft_metadata_skips()
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=256, max_num_seqs=64,
               gpu_memory_utilization=0.15, seed=0, async_scheduling=cfg["async"],
-              speculative_config={"method": cfg["method"], "model": cfg["draft"],
+              speculative_config={"method": cfg["method"],
+                                  # MTP: the layer is in the target's checkpoint.
+                                  **({} if cfg["method"] == "mtp" else {"model": cfg["draft"]}),
                                   "num_speculative_tokens": cfg["k"],
                                   **({"draft_sample_method": "probabilistic"}
                                      if cfg["method"] == "draft_model" else {}),
@@ -259,6 +261,37 @@ def test_eagle_at_every_depth_on_model_runner_v2_matches_target_distribution(
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["verified"] > 0, stats
     assert stats["zero_depth_steps"] > 0 and stats["depth_steps"] > stats["zero_depth_steps"], stats
+
+
+def test_mtp_at_every_depth_on_model_runner_v2_matches_target_distribution(
+        cost_table, tmp_path_factory, tmp_path):
+    """V2's MTP speculator (a tiny MiMo target's own MTP layer,
+    tests/vllm/tiny_models.py) under our manager, estimator and adaptive
+    depth, forced through 0, 1, K, 2 with CUDA graphs; the reference is the
+    MiMo target's own exact distribution."""
+    from tiny_models import build_mtp_target, first_tokens_distribution
+
+    mimo = build_mtp_target(tmp_path_factory.mktemp("mimo"))
+    exact_mimo = first_tokens_distribution(mimo.target, PROMPT, NUM_TOKENS).numpy()
+    pvals, stats = _sample_on_v2(mimo, exact_mimo, cost_table, tmp_path,
+                                 "MRV2 with MTP, depths 0,1,K,2", {}, method="mtp",
+                                 alternate_depth="0,1,K,2")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["verified"] > 0 and stats["zero_depth_steps"] > 0, stats
+
+
+def test_dspark_with_its_confidence_head_on_model_runner_v2_matches_target_distribution(
+        models, exact, cost_table, tmp_path):
+    """V2's DSpark speculator with a (random) trained confidence head: the
+    head's confidences size and select what is verified (no estimator is
+    built), with CUDA graphs. Block drafting: no depth."""
+    from tiny_models import build_dspark_draft
+
+    pvals, stats = _sample_on_v2(build_dspark_draft(models), exact, cost_table, tmp_path,
+                                 "MRV2 with DSpark and its head", {}, method="dspark")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["confidence_source"] == "head", stats
+    assert stats["trimmed"] > 0 and stats["depth_steps"] == 0, stats
 
 
 # Depth forced to alternate 0, K on Model Runner V2 with depth 0 skipping

@@ -209,6 +209,9 @@ def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean(monkey
     np.testing.assert_allclose(stale.np[R_MAX], head.mean(0).numpy(), rtol=1e-6)
     rows = m.stale_survival(["a", "new"])
     np.testing.assert_allclose(rows[1], np.cumprod(head.mean(0).numpy()), rtol=1e-5)
+    # No estimator's counters to land: /metrics says the head scored.
+    assert m.stats.confidence_source == "head" and m.stats.coefficients == []
+    assert m._snapshot_view().stats.confidence_source == "head"
 
 
 def test_zero_and_full_budgets():

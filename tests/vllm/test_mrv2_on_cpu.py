@@ -1,5 +1,6 @@
 """Our Model Runner V2 path end to end on the CPU (scripts/mrv2_cpu_distribution.py),
-with the draft model and with an EAGLE head.
+with the draft model, an EAGLE head, an MTP layer, a DSpark head (with and
+without its trained confidence head) and a DFlash head.
 
 vLLM 0.32's V2 runner with its Triton kernels interpreted, our V2 patches
 serving the flag (manager, estimator, adaptive depth with the depth forced
@@ -71,6 +72,54 @@ def test_our_v2_path_serves_an_eagle_drafter_at_every_depth_on_the_cpu():
     assert stats["trimmed"] > 0 and stats["verified"] > 0, stats
     counts = stats["depth_counts"]
     assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0 and counts[-1] > 0, stats
+
+
+def test_our_v2_path_serves_an_mtp_drafter_at_every_depth_on_the_cpu():
+    """vLLM's V2 MTP speculator (a tiny MiMo target's own MTP layer, reused
+    for the K steps) under our manager and estimator, its depth scheduled
+    by our adaptive depth and forced through 0, 1, K, 2."""
+    result = run_script("--n", "256", "--method", "mtp", "--trim", "--depth-cycle", "0,1,K,2")
+    stats = result["av_counters"]
+    print(result)
+    assert result["speculator"]["speculator"] == "MTPSpeculator", result["speculator"]
+    assert result["speculator"]["estimator"] == "AcceptanceEstimator"
+    assert stats["trimmed"] > 0 and stats["verified"] > 0 and stats["accepted"] > 0, stats
+    counts = stats["depth_counts"]
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0 and counts[-1] > 0, stats
+
+
+def test_a_dspark_drafters_trained_confidence_head_scores_its_drafts_on_the_cpu():
+    """vLLM's V2 DSpark speculator with a (random) trained confidence head:
+    the head's confidences reach our manager, which budgets and trims with
+    them (no estimator is built), and budgets a request not yet recorded at
+    the head's mean confidence per position, not at 1. Block drafting: no
+    depth is chosen. Control: the same head without its confidence head is
+    scored by our estimator."""
+    result = run_script("--n", "128", "--method", "dspark", "--trim")
+    print(result)
+    served, stats = result["speculator"], result["av_counters"]
+    assert served["speculator"] == "DSparkSpeculator" and served["confidence_head"], served
+    assert served["estimator"] == "NoneType", served
+    assert all(0.0 < c < 1.0 for c in served["landed_prior_row"]), served
+    assert stats["confidence_source"] == "head", stats
+    assert stats["trimmed"] > 0 and stats["admitted"] > 0 and stats["depth_steps"] == 0, stats
+    control = run_script("--n", "128", "--method", "dspark", "--trim", "--no-confidence-head")
+    print(control)
+    assert not control["speculator"]["confidence_head"], control["speculator"]
+    assert control["speculator"]["estimator"] == "AcceptanceEstimator"
+    assert control["av_counters"]["confidence_source"] == "estimator"
+    assert control["av_counters"]["verified"] > 0
+
+
+def test_our_v2_path_serves_a_dflash_drafter_on_the_cpu():
+    """vLLM's V2 DFlash speculator (a random tiny Qwen3 head over the
+    target's aux hidden states, all K drafts in one non-causal pass):
+    scored by our estimator, budgeted and trimmed, no depth chosen."""
+    result = run_script("--n", "128", "--method", "dflash", "--trim")
+    print(result)
+    stats = result["av_counters"]
+    assert result["speculator"]["speculator"] == "DFlashSpeculator", result["speculator"]
+    assert stats["trimmed"] > 0 and stats["verified"] > 0 and stats["depth_steps"] == 0, stats
 
 
 def test_the_served_kernel_warm_up_runs_through_our_v2_path_and_leaves_nothing_behind():

@@ -12,7 +12,9 @@ to each tensor's spread), so its distributions are close to the target's
 but not equal: draft acceptance is neither 0 nor 1.
 
 EAGLE head (`build_eagle_draft`): one random decoder layer over the
-target's hidden states, for tests of the EAGLE drafter's path.
+target's hidden states, for tests of the EAGLE drafter's path. DSpark and
+DFlash heads (`build_dspark_draft`, `build_dflash_draft`) and a target
+with its own MTP layer (`build_mtp_target`), for V2's other speculators.
 
 Tokenizer: a `tokenizers` WordLevel model whose vocabulary is the special
 tokens plus made-up words; saved as tokenizer.json + tokenizer_config.json
@@ -232,15 +234,213 @@ def build_eagle_draft(models: TinyModels, seed: int = SEED) -> TinyModels:
     return TinyModels(models.target, eagle_dir, models.vocab_size)
 
 
+# --------------------------------------------------------------- DSpark / DFlash
+# Parallel drafters of vLLM 0.32's Model Runner V2 (DSpark: Qwen3DSparkForCausalLM,
+# vllm/model_executor/models/qwen3_dspark.py; DFlash: DFlashQwen3ForCausalLM,
+# qwen3_dflash.py): a DFlash Qwen3 backbone over the target's aux hidden
+# states (`fc` over the outputs of target layers TARGET_LAYER_IDS, plus one,
+# concatenated; `hidden_norm`; non-causal Qwen3 decoder layers with q/k norms;
+# `norm`), masked query slots filled with MASK_ID. DSpark adds the Markov
+# head (markov_w1 [V, r], markov_w2 [V, r]) and, with `confidence_head`, the
+# confidence head (proj [1, H + r] with bias); V2's DSpark speculator then
+# writes the head's sigmoid into `draft_token_confidence_probs` and builds no
+# acceptance estimator. The embedding and lm_head are the target's (vLLM
+# shares them where the checkpoint has none). Random, like the EAGLE head:
+# what they exercise is the drafters' path through our AV.
+
+MASK_ID = UNK_ID
+MARKOV_RANK = 8
+# The target's layers whose outputs the head reads (zero-based, DFlash's
+# convention: aux layer ids are these plus one).
+TARGET_LAYER_IDS = [0, 1]
+
+
+def _qwen3_draft_config(models: TinyModels, architecture: str, num_layers: int) -> dict:
+    """config.json of a Qwen3 DFlash-style head over the tiny target."""
+    from transformers import Qwen3Config
+
+    llama = _llama_config(models.vocab_size)
+    config = Qwen3Config(
+        vocab_size=models.vocab_size, hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_HEADS,
+        head_dim=llama.hidden_size // NUM_HEADS,
+        max_position_embeddings=llama.max_position_embeddings, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id, dtype="float32",
+    ).to_dict()
+    config["architectures"] = [architecture]
+    # All layers full attention: non-causal over the query block.
+    config["layer_types"] = ["full_attention"] * num_layers
+    config["target_hidden_size"] = llama.hidden_size
+    config["dflash_config"] = {"mask_token_id": MASK_ID, "target_layer_ids": TARGET_LAYER_IDS}
+    return config
+
+
+def _backbone_weights(config: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random weights of the DFlash Qwen3 backbone, named as the checkpoint
+    (vLLM prefixes `model.` and stacks q/k/v and gate/up itself)."""
+    H, inner = config["hidden_size"], config["intermediate_size"]
+    n_aux = len(TARGET_LAYER_IDS)
+    shapes = {"fc": (H, n_aux * H)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}"
+        shapes.update({f"{p}.self_attn.q_proj": (H, H), f"{p}.self_attn.k_proj": (H, H),
+                       f"{p}.self_attn.v_proj": (H, H), f"{p}.self_attn.o_proj": (H, H),
+                       f"{p}.mlp.gate_proj": (inner, H), f"{p}.mlp.up_proj": (inner, H),
+                       f"{p}.mlp.down_proj": (H, inner)})
+    weights = {f"{name}.weight": torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+               for name, shape in shapes.items()}
+    head_dim = config["head_dim"]
+    for name in ["hidden_norm", "norm"]:
+        weights[f"{name}.weight"] = torch.ones(H)
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}"
+        weights[f"{p}.input_layernorm.weight"] = torch.ones(H)
+        weights[f"{p}.post_attention_layernorm.weight"] = torch.ones(H)
+        weights[f"{p}.self_attn.q_norm.weight"] = torch.ones(head_dim)
+        weights[f"{p}.self_attn.k_norm.weight"] = torch.ones(head_dim)
+    return weights
+
+
+def _write(out_dir: pathlib.Path, models: TinyModels, config: dict,
+           weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir, models.vocab_size)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous().float() for k, v in weights.items()},
+              str(out_dir / "model.safetensors"))
+
+
+def build_dspark_draft(models: TinyModels, confidence_head: bool = True,
+                       confidence_head_with_markov: bool = True, num_layers: int = 1,
+                       markov_rank: int = MARKOV_RANK, seed: int = SEED) -> TinyModels:
+    """A random-weight Qwen3 DSpark head for the tiny target, in the layout
+    vLLM's `Qwen3DSparkForCausalLM` loads (see the module docstring)."""
+    name = "dspark" + ("_conf" if confidence_head else "")
+    out_dir = models.draft.parent / name
+    if not (out_dir / "model.safetensors").exists():
+        config = _qwen3_draft_config(models, "Qwen3DSparkModel", num_layers)
+        config.update({
+            "markov_rank": markov_rank,
+            "enable_confidence_head": confidence_head,
+            "confidence_head_with_markov": confidence_head_with_markov,
+            # Anchor-as-first-prediction: N query slots, each predicts the next.
+            "sample_from_anchor": True,
+            "block_size": 4,
+        })
+        gen = torch.Generator().manual_seed(seed + 2)
+        weights = _backbone_weights(config, gen)
+        V, H, r = models.vocab_size, config["hidden_size"], markov_rank
+        weights["markov_head.markov_w1.weight"] = torch.randn(V, r, generator=gen)
+        weights["markov_head.markov_w2.weight"] = torch.randn(V, r, generator=gen) / math.sqrt(r)
+        if confidence_head:
+            d_in = H + (r if confidence_head_with_markov else 0)
+            weights["confidence_head.proj.weight"] = torch.randn(1, d_in, generator=gen) / math.sqrt(d_in)
+            weights["confidence_head.proj.bias"] = torch.zeros(1)
+        _write(out_dir, models, config, weights)
+    return TinyModels(models.target, out_dir, models.vocab_size)
+
+
+def build_dflash_draft(models: TinyModels, num_layers: int = 1, seed: int = SEED) -> TinyModels:
+    """A random-weight DFlash head (`DFlashQwen3ForCausalLM`) for the tiny
+    target: the backbone of `build_dspark_draft`, no Markov/confidence head."""
+    out_dir = models.draft.parent / "dflash"
+    if not (out_dir / "model.safetensors").exists():
+        config = _qwen3_draft_config(models, "DFlashDraftModel", num_layers)
+        config["block_size"] = 5  # 1 anchor + 4 masks (informational; vLLM reads K)
+        gen = torch.Generator().manual_seed(seed + 3)
+        _write(out_dir, models, config, _backbone_weights(config, gen))
+    return TinyModels(models.target, out_dir, models.vocab_size)
+
+
+# --------------------------------------------------------------- MTP (MiMo)
+# A target that carries its own MTP layer: vLLM loads the checkpoint as
+# `MiMoForCausalLM` (a Qwen2 model that ignores `model.mtp_layers.*`) and,
+# with speculative method "mtp" and no draft named, as its drafter
+# `MiMoMTPModel` (the MTP layer alone; V2's MTPSpeculator, a
+# TargetDependentARSpeculator that reuses the one layer for all K steps).
+# model_type stays "qwen2", so transformers' Qwen2ForCausalLM loads the
+# same file for the exact distribution (the MTP tensors are dropped).
+# One MTP layer: with more, vLLM switches to its multi-module speculator.
+
+
+def _mtp_layer_weights(gen: torch.Generator, passthrough: bool) -> dict[str, torch.Tensor]:
+    """One MTP layer in MiMo's checkpoint names. `passthrough`: its input
+    projection keeps the token embedding and its block is near-identity,
+    so its drafts follow the target's head over the next token (accepted
+    well above random, with no training)."""
+    H, inner, p = HIDDEN_SIZE, 2 * HIDDEN_SIZE, "model.mtp_layers.0."
+    mats = {"input_proj": (H, 2 * H), "self_attn.q_proj": (H, H), "self_attn.k_proj": (H, H),
+            "self_attn.v_proj": (H, H), "self_attn.o_proj": (H, H),
+            "mlp.gate_proj": (inner, H), "mlp.up_proj": (inner, H), "mlp.down_proj": (H, inner)}
+    out = {f"{p}{n}.weight": torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+           for n, shape in mats.items()}
+    for n in ("q_proj", "k_proj", "v_proj"):
+        out[f"{p}self_attn.{n}.bias"] = torch.randn(H, generator=gen) * 0.02
+    for n in ("token_layernorm", "hidden_layernorm", "final_layernorm", "input_layernorm",
+              "post_attention_layernorm"):
+        out[f"{p}{n}.weight"] = torch.ones(H)
+    if passthrough:
+        out[f"{p}input_proj.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], 1)
+        out[f"{p}self_attn.o_proj.weight"] *= 0.05
+        out[f"{p}mlp.down_proj.weight"] *= 0.05
+    return out
+
+
+@torch.no_grad()
+def build_mtp_target(out_dir: pathlib.Path | str, passthrough: bool = True,
+                     seed: int = SEED) -> TinyModels:
+    """A tiny MiMo target with one MTP layer under `out_dir/mimo` (idempotent);
+    target and draft are the same directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = pathlib.Path(out_dir) / ("mimo" if passthrough else "mimo_random")
+    if (out_dir / "BUILT").exists():
+        return TinyModels(out_dir, out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_HEADS, max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, use_sliding_window=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, dtype="float32")
+    model = Qwen2ForCausalLM(config).float().eval()
+    for name, param in model.named_parameters():
+        if param.ndim == 2:
+            fan_in = 1 if "embed" in name else param.shape[1]
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+        elif name.endswith(".bias"):
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    _calibrate_lm_head(model, _probe_contexts(VOCAB_SIZE, gen), TARGET_TOP_PROB)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    weights.update(_mtp_layer_weights(gen, passthrough))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out_dir / "BUILT").write_text("ok\n")
+    return TinyModels(out_dir, out_dir)
+
+
 _MODEL_CACHE: dict[str, object] = {}
 
 
 def _load(model_dir: pathlib.Path | str, dtype=torch.float32):
-    from transformers import LlamaForCausalLM
+    # By the config's model_type: Llama for the pair, Qwen2 for the MTP
+    # target (whose MTP tensors transformers drops).
+    from transformers import AutoModelForCausalLM
 
     key = (str(model_dir), dtype)
     if key not in _MODEL_CACHE:
-        model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         _MODEL_CACHE[key] = model.eval()
     return _MODEL_CACHE[key]
 

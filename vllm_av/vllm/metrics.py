@@ -44,6 +44,9 @@ def snapshot(verifier, extra: dict | None = None) -> dict:
         "depth_steps": s.depth_steps,
         "zero_depth_steps": s.zero_depth_steps,
         "depth_counts": list(getattr(s, "depth_counts", [])),
+        # "head": a trained confidence head scored the drafts; the estimator's
+        # fields and the accepted / verified counts are then not ours to give.
+        "confidence_source": getattr(s, "confidence_source", "estimator"),
         "slope": est.slope,
         "intercepts": est.intercepts,
         "predicted": s.predicted.tolist(),
@@ -163,6 +166,9 @@ class AVCollector:
         snap = read_snapshot(self.directory)
         if snap is None:
             return
+        # With a trained confidence head there is no estimator of ours: its
+        # gauges and the verdict counts it keeps are left out, not shown as 0.
+        estimated = snap.get("confidence_source", "estimator") == "estimator"
         for name, doc in (
             ("drafted", "Draft tokens proposed by the drafter"),
             ("admitted", "Draft tokens admitted for verification by the budget"),
@@ -170,6 +176,8 @@ class AVCollector:
             ("accepted", "Draft tokens accepted by verification"),
             ("trimmed", "Draft tokens trimmed before verification"),
         ):
+            if not estimated and name in ("verified", "accepted"):
+                continue
             yield CounterMetricFamily(
                 f"{PREFIX}draft_tokens_{name}", doc, value=snap[name]
             )
@@ -212,6 +220,25 @@ class AVCollector:
                 value=snap["catch_up_holes_left"],
             )
         yield GaugeMetricFamily(
+            f"{PREFIX}confidence_from_head",
+            "1 when the drafter's trained confidence head scores the drafts, "
+            "0 when the online estimator does",
+            value=0 if estimated else 1,
+        )
+        if estimated:
+            yield from self._estimator_gauges(snap)
+        # Cost corrections from timed steps, keyed by an integer label.
+        for key, _, label, doc in (*COST_GAUGES, PREFILL_GAUGE):
+            gauge = GaugeMetricFamily(f"{PREFIX}{key}", doc, labels=[label])
+            for k, value in sorted(snap.get(key, {}).items(), key=lambda kv: int(kv[0])):
+                gauge.add_metric([k], value)
+            yield gauge
+
+    @staticmethod
+    def _estimator_gauges(snap: dict):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(
             f"{PREFIX}estimator_slope", "Shared slope of the acceptance estimator",
             value=snap["slope"],
         )
@@ -238,12 +265,6 @@ class AVCollector:
                 obs.add_metric([str(i)], snap["observed"][i] / n)
         yield pred
         yield obs
-        # Cost corrections from timed steps, keyed by an integer label.
-        for key, _, label, doc in (*COST_GAUGES, PREFILL_GAUGE):
-            gauge = GaugeMetricFamily(f"{PREFIX}{key}", doc, labels=[label])
-            for k, value in sorted(snap.get(key, {}).items(), key=lambda kv: int(kv[0])):
-                gauge.add_metric([k], value)
-            yield gauge
 
 
 # (snapshot key = metric name, CostModel attribute, label, help) of the

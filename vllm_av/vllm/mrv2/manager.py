@@ -82,6 +82,11 @@ class ManagerStats:
     zero_depth_steps: int = 0
     last_depth: int = -1
     depth_counts: list = field(default_factory=list)  # steps at each depth 0..K
+    # What scored the drafts: our estimator, or the drafter's trained
+    # confidence head (DSpark), with which accepted / verified and the
+    # estimator's coefficients are not counted here (vLLM's spec-decode
+    # metrics still count acceptance).
+    confidence_source: str = "estimator"
 
 
 class _StaleSlot:
@@ -399,6 +404,7 @@ class AVManager:
             # estimator): a request not yet recorded is budgeted at this
             # step's mean confidence per position, not as a sure accept.
             out.dev[self.R].copy_(self._conf[input_batch.idx_mapping].mean(0))
+            self.stats.confidence_source = "head"
         out.step = self._record_step
         self._record_step += 1
         if self._copy_stream is None:
@@ -416,7 +422,7 @@ class AVManager:
         return live_estimator(self.device)
 
     def _land_stats(self, slot: _StaleSlot) -> None:
-        if slot.step < 0:
+        if slot.step < 0 or self.stats.confidence_source != "estimator":
             return
         s = slot.stats_host.numpy()
         self.stats.accepted, self.stats.verified = int(s[0]), int(s[1])
@@ -676,6 +682,7 @@ class AVManager:
             last_budget=s.last_budget, last_depth=K if s.last_depth < 0 else s.last_depth,
             depth_steps=s.depth_steps, zero_depth_steps=s.zero_depth_steps,
             depth_counts=s.depth_counts, predicted=np.zeros(K), observed=np.zeros(K), labelled=np.zeros(K),
+            confidence_source=s.confidence_source,
         )
         est = SimpleNamespace(slope=coef[0], intercepts=coef[1:])
         return SimpleNamespace(stats=stats, estimator=est)
