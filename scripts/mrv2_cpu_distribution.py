@@ -149,14 +149,14 @@ def engine_env(costs: Path, **extra: str) -> dict:
                 VLLM_AV_CALIBRATE_COSTS="0", **extra)
 
 
-def start_engine(target: str, speculative_config: dict | None, managers: list):
+def start_engine(target: str, speculative_config: dict | None, managers: list, seed: int = 0):
     """(In the engine process, after `_lift_refusals`.) The tiny target's
     engine, eager and float32; our managers' depth policy started at once
     (no CUDA graphs, so no start-up profile: the given table is used)."""
     from vllm import LLM
 
     llm = LLM(model=target, dtype="float32", max_model_len=256, max_num_seqs=64,
-              seed=0, gpu_memory_utilization=0.2, enforce_eager=True,
+              seed=seed, gpu_memory_utilization=0.2, enforce_eager=True,
               distributed_executor_backend="uni", async_scheduling=True,
               speculative_config=speculative_config)
     for m in managers:
@@ -228,7 +228,7 @@ def engine(cfg: dict) -> None:
         del spec["model"]  # the MTP layer is in the target's checkpoint
     if spec["method"] == "draft_model" or cfg.get("probabilistic"):
         spec["draft_sample_method"] = "probabilistic"
-    llm = start_engine(cfg["target"], spec, managers)
+    llm = start_engine(cfg["target"], spec, managers, seed=cfg.get("seed", 0))
     if cfg.get("served_warmup"):
         print("SERVED_WARMUP " + json.dumps(llm.collective_rpc(served_warmup)[0]), flush=True)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
@@ -262,6 +262,7 @@ def main() -> None:
                     help="dspark: a head without its confidence head (our estimator scores)")
     ap.add_argument("--probabilistic", action="store_true",
                     help="eagle/dspark/dflash: draft_sample_method probabilistic")
+    ap.add_argument("--seed", type=int, default=0, help="the engine's seed (another draw)")
     ap.add_argument("--served-warmup", action="store_true",
                     help="run our served-kernel warm-up in the worker after start-up (as "
                          "a CUDA worker does before its JIT monitor starts), then sample")
@@ -298,6 +299,7 @@ def main() -> None:
                      **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle,
+           "seed": args.seed,
            "method": args.method, "served_warmup": args.served_warmup,
            "probabilistic": args.probabilistic}
     print(f"[mrv2-cpu] {args.method}, {args.variant}, depths {args.depth_cycle}, "
