@@ -83,6 +83,11 @@ def set_profile_depth(depth: int | None) -> None:
     _PROFILE_DEPTH["depth"] = depth
 
 
+def profile_depth() -> int | None:
+    """The depth the start-up profile's dummy runs draft at now (None: K)."""
+    return _PROFILE_DEPTH["depth"]
+
+
 def depth_options(speculator) -> tuple[bool, bool, bool]:
     """(adaptive depth on, depth 0 runs the drafter's first forward, the
     drafter catches up on what depth-0 steps skipped), read once from our
@@ -144,7 +149,7 @@ def _propose_steps(speculator, orig, steps: int, *args, **kwargs) -> None:
         speculator.num_speculative_steps = K
 
 
-def _prior_for_undrafted(speculator, num_reqs: int, depth: int) -> None:
+def prior_for_undrafted(speculator, num_reqs: int, depth: int) -> None:
     """Slots from `depth` on were not drafted this step: give them the
     estimator's prior (device copy, no sync)."""
     conf = getattr(speculator, "draft_token_confidence_probs", None)
@@ -193,10 +198,10 @@ class MRV2DraftDepthPatch(VllmPatch):
         depth = kwargs.get("num_speculative_tokens")
         note_propose(False)
         on, zero_depth_forward, catch_up = depth_options(self)
-        profile_depth = _PROFILE_DEPTH["depth"]
-        if kwargs.get("dummy_run") and on and profile_depth is not None and profile_depth < K:
+        at_depth = profile_depth()
+        if kwargs.get("dummy_run") and on and at_depth is not None and at_depth < K:
             # A start-up profile's dummy run timed at this depth.
-            _propose_steps(self, orig, profile_depth, input_batch, *args, **kwargs)
+            _propose_steps(self, orig, at_depth, input_batch, *args, **kwargs)
             return self.draft_tokens[: input_batch.num_reqs]
         if kwargs.get("dummy_run") or not on:
             return orig(self, input_batch, *args, **kwargs)
@@ -221,6 +226,6 @@ class MRV2DraftDepthPatch(VllmPatch):
                 ledger.drafted(0)
             return self.draft_tokens[:n]
         _drafting(self, orig, depth, catch_up, input_batch, *args, **kwargs)
-        _prior_for_undrafted(self, n, depth)
+        prior_for_undrafted(self, n, depth)
         return self.draft_tokens[:n]
 

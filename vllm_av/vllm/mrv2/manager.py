@@ -403,7 +403,7 @@ class AVManager:
             # A trained confidence head (DSpark; vLLM then builds no
             # estimator): a request not yet recorded is budgeted at this
             # step's mean confidence per position, not as a sure accept.
-            out.dev[self.R].copy_(self._conf[input_batch.idx_mapping].mean(0))
+            out.dev[self.R].copy_(confidence_probs[:n].float().mean(0))
             self.stats.confidence_source = "head"
         out.step = self._record_step
         self._record_step += 1

@@ -27,7 +27,8 @@ Nothing here reads a drafted token (DESIGN 2.5).
 from __future__ import annotations
 
 from vllm_av.vllm.config import av_options_of
-from vllm_av.vllm.mrv2.depth import _PROFILE_DEPTH, _prior_for_undrafted, note_propose
+from vllm_av.vllm.mrv2.depth import (depth_options, note_propose, prior_for_undrafted,
+                                     profile_depth)
 from vllm_av.vllm.patching import VllmPatch
 
 # Speculative methods whose V2 speculator is a TargetDependentARSpeculator
@@ -42,16 +43,6 @@ def uses_target_drafter(spec) -> bool:
         return False
     multi = getattr(spec, "use_multi_module_mtp", None)
     return not (callable(multi) and multi())
-
-
-def _depth_on(speculator) -> bool:
-    """Our adaptive depth serves this speculator (read once)."""
-    cached = getattr(speculator, "_vllm_av_target_depth", None)
-    if cached is None:
-        options = av_options_of(speculator.vllm_config)
-        cached = bool(options is not None and options.scheduled_depth)
-        speculator._vllm_av_target_depth = cached
-    return cached
 
 
 def depths_to_capture(num_speculative_steps: int) -> list[int]:
@@ -106,13 +97,13 @@ class MRV2TargetDrafterDepthPatch(VllmPatch):
     def propose(self, input_batch, *args, **kwargs):
         orig = type(self)._orig_propose
         note_propose(False)
-        if not _depth_on(self):
+        if not depth_options(self)[0]:  # our adaptive depth off
             return orig(self, input_batch, *args, **kwargs)
         K = self.num_speculative_steps
         if kwargs.get("dummy_run"):
-            profile_depth = _PROFILE_DEPTH["depth"]
-            if profile_depth is not None and profile_depth < K:
-                kwargs["num_speculative_tokens"] = profile_depth
+            at_depth = profile_depth()
+            if at_depth is not None and at_depth < K:
+                kwargs["num_speculative_tokens"] = at_depth
             return orig(self, input_batch, *args, **kwargs)
         drafts = orig(self, input_batch, *args, **kwargs)
         depth = kwargs.get("num_speculative_tokens")
@@ -120,7 +111,7 @@ class MRV2TargetDrafterDepthPatch(VllmPatch):
             if depth <= 0:
                 note_propose(True)
             else:
-                _prior_for_undrafted(self, input_batch.num_reqs, int(depth))
+                prior_for_undrafted(self, input_batch.num_reqs, int(depth))
         return drafts
 
 
