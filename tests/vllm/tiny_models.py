@@ -327,7 +327,8 @@ def build_dspark_draft(models: TinyModels, confidence_head: bool = True,
             "markov_rank": markov_rank,
             "enable_confidence_head": confidence_head,
             "confidence_head_with_markov": confidence_head_with_markov,
-            # Anchor-as-first-prediction: N query slots, each predicts the next.
+            # K query slots per request, the first at the last accepted token;
+            # each slot drafts the token after it.
             "sample_from_anchor": True,
             "block_size": 4,
         })
