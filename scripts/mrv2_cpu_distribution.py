@@ -208,6 +208,9 @@ def speculator_info(worker) -> dict:
     return {"speculator": type(spec).__name__,
             "confidence_head": bool(getattr(spec, "use_confidence_head", False)),
             "estimator": type(getattr(spec, "acceptance_estimator", None)).__name__,
+            # Our manager scores with the drafter's own estimator, or none.
+            "manager_has_drafters_estimator": manager._estimator() is getattr(
+                spec, "acceptance_estimator", None),
             "landed_prior_row": [round(float(x), 4) for x in landed.np[manager.R]]}
 
 

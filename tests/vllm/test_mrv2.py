@@ -192,15 +192,33 @@ def test_new_request_is_scored_with_the_estimator_prior():
     del est
 
 
-def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean(monkeypatch):
+def test_each_manager_claims_the_estimator_built_for_its_engine():
+    """The runner builds the drafter's estimator, then the manager, with no
+    handle between them. An engine whose drafter built none (a trained
+    head) must not pick up the estimator of an earlier engine still alive
+    in the process; an estimator of another shape is not this engine's."""
+    earlier = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
+    assert _manager(["a"])._estimator() is earlier  # claimed by its engine
+    assert _manager(["a"])._estimator() is None  # the next engine built none
+    mine = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))  # control: one built
+    assert _manager(["a"])._estimator() is mine
+    AcceptanceEstimator(R_MAX, K + 1, torch.device("cpu"))
+    assert _manager(["a"])._estimator() is None
+    del earlier, mine
+
+
+def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean():
     """A drafter with a trained confidence head (DSpark): vLLM builds no
     acceptance estimator, and the prior row a new request is budgeted with
     is the mean of the head's confidences the last record carried, per
     position. Negative control: before any record the row is 1.0 (every
-    draft a sure accept), what the budget would read without this."""
+    draft a sure accept), what the budget would read without this. An
+    estimator of an earlier engine is alive meanwhile, claimed by it."""
     ids = ["a", "b"]
+    earlier = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
+    _manager(ids)
     m = _manager(ids)
-    monkeypatch.setattr(m, "_estimator", lambda: None)
+    assert m._estimator() is None
     assert (m._slots[m._stale_idx].np[R_MAX] == 1.0).all()
     head = torch.tensor([[0.9, 0.6, 0.3, 0.2], [0.5, 0.2, 0.1, 0.0]])[:, :K]
     m.record_confidences(head, _batch([0, 1]))
@@ -212,6 +230,7 @@ def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean(monkey
     # No estimator's counters to land: /metrics says the head scored.
     assert m.stats.confidence_source == "head" and m.stats.coefficients == []
     assert m._snapshot_view().stats.confidence_source == "head"
+    del earlier
 
 
 def test_zero_and_full_budgets():

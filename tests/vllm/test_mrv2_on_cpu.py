@@ -83,6 +83,7 @@ def test_our_v2_path_serves_an_mtp_drafter_at_every_depth_on_the_cpu():
     print(result)
     assert result["speculator"]["speculator"] == "MTPSpeculator", result["speculator"]
     assert result["speculator"]["estimator"] == "AcceptanceEstimator"
+    assert result["speculator"]["manager_has_drafters_estimator"], result["speculator"]
     assert stats["trimmed"] > 0 and stats["verified"] > 0 and stats["accepted"] > 0, stats
     counts = stats["depth_counts"]
     assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0 and counts[-1] > 0, stats
@@ -100,6 +101,7 @@ def test_a_dspark_drafters_trained_confidence_head_scores_its_drafts_on_the_cpu(
     served, stats = result["speculator"], result["av_counters"]
     assert served["speculator"] == "DSparkSpeculator" and served["confidence_head"], served
     assert served["estimator"] == "NoneType", served
+    assert served["manager_has_drafters_estimator"], served  # none for none
     assert all(0.0 < c < 1.0 for c in served["landed_prior_row"]), served
     assert stats["confidence_source"] == "head", stats
     assert stats["trimmed"] > 0 and stats["admitted"] > 0 and stats["depth_steps"] == 0, stats
@@ -107,6 +109,7 @@ def test_a_dspark_drafters_trained_confidence_head_scores_its_drafts_on_the_cpu(
     print(control)
     assert not control["speculator"]["confidence_head"], control["speculator"]
     assert control["speculator"]["estimator"] == "AcceptanceEstimator"
+    assert control["speculator"]["manager_has_drafters_estimator"], control["speculator"]
     assert control["av_counters"]["confidence_source"] == "estimator"
     assert control["av_counters"]["verified"] > 0
 

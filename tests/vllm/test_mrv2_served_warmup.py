@@ -143,9 +143,9 @@ def recorded_warmups(monkeypatch):
 
 
 def test_warms_with_our_av_on_then_clears_what_the_steps_taught(recorded_warmups):
-    m = _manager()
     fresh = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
     est = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)  # the live one
+    m = _manager()  # claims `est`, built last, as a runner's manager claims its drafter's
     recorded_warmups.on_warmup = lambda runner: _serve_a_step(m, est)
     worker = _Worker(_runner(m))
 
@@ -173,11 +173,12 @@ def test_warms_with_our_av_on_then_clears_what_the_steps_taught(recorded_warmups
     assert all(s.step == -1 for s in m._slots)
     assert est.totals.tolist() == [0.0, 0.0] and est.core.num_steps == 0
     torch.testing.assert_close(est.coefficients, fresh.coefficients)
-    # Scores as a manager just built scores them.
+    # Scores as a manager just built (with an estimator of its own) scores them.
+    own = AcceptanceEstimator(R_MAX, K, torch.device("cpu"), refit_interval=2)
     new = _manager()
     np.testing.assert_allclose(m.stale_survival(IDS), new.stale_survival(IDS))
     np.testing.assert_allclose(m.prior_survival_host(), new.prior_survival_host())
-    del est, fresh
+    del est, fresh, own
 
 
 def test_without_the_clearing_the_warm_up_would_leak_into_serving(recorded_warmups, monkeypatch):

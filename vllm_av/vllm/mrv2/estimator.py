@@ -39,9 +39,13 @@ from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.features import draft_features
 from vllm_av.core.fused import fused_confidences
 
-# The estimator of this process, per device, for the MRV2 manager (which vLLM
-# builds without a handle on the drafter): new requests get its prior.
-_LIVE: dict[str, "weakref.ReferenceType[AcceptanceEstimator]"] = {}
+# The estimator built last on each device and not yet claimed by an AV
+# manager. vLLM builds no handle from one to the other: the runner loads the
+# speculator (which builds the estimator) before it builds the manager, so a
+# manager claims the one built before it. Claimed once: a manager whose
+# drafter built none (a trained confidence head) must not pick up an earlier
+# engine's estimator still alive in the same process.
+_UNCLAIMED: dict[str, "weakref.ReferenceType[AcceptanceEstimator]"] = {}
 
 
 def _key(device) -> str:
@@ -51,9 +55,16 @@ def _key(device) -> str:
     return str(d)
 
 
-def live_estimator(device) -> "AcceptanceEstimator | None":
-    ref = _LIVE.get(_key(device))
-    return ref() if ref is not None else None
+def claim_estimator(device, max_num_reqs: int, num_speculative_steps: int
+                    ) -> "AcceptanceEstimator | None":
+    """The estimator built for this engine's drafter, or None (none was
+    built, or the unclaimed one is of another shape: not this engine's)."""
+    ref = _UNCLAIMED.pop(_key(device), None)
+    est = ref() if ref is not None else None
+    if est is None or (est.max_num_reqs, est.num_speculative_steps) != (
+            max_num_reqs, num_speculative_steps):
+        return None
+    return est
 
 
 class AcceptanceEstimator:
@@ -90,7 +101,7 @@ class AcceptanceEstimator:
         self._only_verified = False
         self.verifying = False
         self._prior: tuple[int, torch.Tensor] | None = None  # (core refits, rates)
-        _LIVE[_key(self.device)] = weakref.ref(self)
+        _UNCLAIMED[_key(self.device)] = weakref.ref(self)
 
     def observe_only_verified_steps(self) -> None:
         self._only_verified = True

@@ -53,6 +53,7 @@ from vllm_av.core.verifier import record_depth
 from vllm_av.vllm.config import AVOptions
 from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DepthPolicy, drafter_skipped
+from vllm_av.vllm.mrv2.estimator import claim_estimator
 from vllm_av.vllm.mrv2.catch_up import (bind_token_history, positions_caught_up,
                                         positions_left_as_holes)
 
@@ -199,6 +200,7 @@ class AVManager:
         self._cudagraph_limit = 0
         self._capture_sizes: list[int] = []
         self.R = R = req_states.max_num_reqs
+        self._est = claim_estimator(device, R, K)
         cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         # Current confidences by request slot (device).
@@ -417,9 +419,9 @@ class AVManager:
             out.event.record()
 
     def _estimator(self):
-        from vllm_av.vllm.mrv2.estimator import live_estimator
-
-        return live_estimator(self.device)
+        """Our estimator in this engine's drafter; None with a trained
+        confidence head, where vLLM builds none."""
+        return self._est
 
     def _land_stats(self, slot: _StaleSlot) -> None:
         if slot.step < 0 or self.stats.confidence_source != "estimator":
