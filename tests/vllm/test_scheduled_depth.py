@@ -42,16 +42,45 @@ def _request(rid, prefill=False, seed=None, computed=100, prompt=10):
                            num_computed_tokens=computed, num_prompt_tokens=prompt)
 
 
+def _register(monkeypatch, verifier):
+    """`register_local_verifier`, undone after the test."""
+    monkeypatch.setattr(scheduled_depth, "_LOCAL", dict(scheduled_depth._LOCAL))
+    scheduled_depth.register_local_verifier(verifier)
+
+
+def test_each_scheduler_asks_the_verifier_of_its_own_engine(monkeypatch):
+    """Two engines in one process (in-process engine cores): each worker
+    registers its verifier before its scheduler is built, and each
+    scheduler's lookup keeps asking its own engine's, not the one
+    registered last; an engine whose verifier lives in another process
+    (none registered since) takes none (full depth, with a warning).
+    Control: the process's last registered verifier is the second one."""
+    first, second = _Verifier(depth=1), _Verifier(depth=2)
+    _register(monkeypatch, first)
+    one = DepthFromVerifier(SimpleNamespace(num_spec_tokens=K, running=[_request("a")]))
+    _register(monkeypatch, second)
+    two = DepthFromVerifier(SimpleNamespace(num_spec_tokens=K, running=[_request("b")]))
+    assert scheduled_depth.local_verifier() is second  # what a per-step lookup would ask
+    assert one[1] == 1 and two[1] == 2
+    assert first.calls[-1][0] == ["a"] and second.calls[-1][0] == ["b"]
+    elsewhere = DepthFromVerifier(SimpleNamespace(num_spec_tokens=K, running=[_request("c")]))
+    assert elsewhere[1] == K and elsewhere.warned
+    assert len(first.calls) == len(second.calls) == 1
+
+
 def test_no_exploration_while_prompt_tokens_are_scheduled(monkeypatch):
     """A chunk of a long prompt, or a new request whose prompt is not yet
     computed, defers exploration; decoding requests alone allow it."""
     v = _Verifier(depth=0)
-    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", v)
+    _register(monkeypatch, v)
     decode = [_request("a"), _request("b")]
+    sched = SimpleNamespace(num_spec_tokens=K, running=decode)
+    lookup = DepthFromVerifier(sched)
     for running, allowed in ((decode, True),
                              (decode + [_request("c", prefill=True, computed=8, prompt=40)], False),
                              (decode + [_request("d", computed=0, prompt=40)], False)):
-        DepthFromVerifier(SimpleNamespace(num_spec_tokens=K, running=running))[len(running)]
+        sched.running = running
+        lookup[len(running)]
         assert v.may_explore is allowed, running
 
 
@@ -170,11 +199,11 @@ def test_the_kept_scan_matches_a_full_pass_after_every_edit():
 def test_the_lookup_asks_the_verifier_about_decoding_requests(monkeypatch):
     sched = SimpleNamespace(num_spec_tokens=K, running=[
         _request("a"), _request("b", prefill=True), _request("c")])
+    _register(monkeypatch, None)
     lookup = DepthFromVerifier(sched)
-    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", None)
     assert lookup[3] == K  # no verifier in this process: vLLM's full depth
     v = _Verifier(depth=2)
-    monkeypatch.setitem(scheduled_depth._LOCAL, "verifier", v)
+    _register(monkeypatch, v)  # registered after the scheduler was built
     assert lookup[3] == 2
     assert v.calls[-1] == (["a", "c"], 2, 2, 0)  # requests in prefill draft nothing
     sched.running.append(_request("d", seed=5))

@@ -11,7 +11,7 @@ asks our verifier (`AdaptiveVerifier.choose_depth`: stale scores and
 profiled costs, never this step's tokens, so lossless). The verifier lives
 on the runner, in the engine-core process under vLLM's single-process
 executor (one GPU, or the CPU backend); `register_local_verifier` makes it
-findable. Under a multi-process executor none is found and the scheduler
+findable, and the engine's scheduler claims it when it is built. Under a multi-process executor none is found and the scheduler
 keeps vLLM's full depth (logged once).
 
 Outcomes reach the host a step late under async scheduling: they are read
@@ -28,14 +28,29 @@ from vllm_av.vllm.patching import VllmPatch
 
 logger = logging.getLogger("vllm.vllm_av")
 
-_LOCAL: dict = {"verifier": None}
+# The verifier registered last in this process, and whether a scheduler has
+# claimed it. The engine core builds its worker (which registers) before its
+# scheduler (which claims), so a scheduler takes the verifier of its own
+# engine, and an engine whose verifier is elsewhere (a multi-process
+# executor) does not take another in-process engine's.
+_LOCAL: dict = {"verifier": None, "claimed": True}
 
 
 def register_local_verifier(verifier) -> None:
     _LOCAL["verifier"] = verifier
+    _LOCAL["claimed"] = verifier is None
 
 
 def local_verifier():
+    """The verifier registered last in this process (claimed or not)."""
+    return _LOCAL["verifier"]
+
+
+def claim_local_verifier():
+    """The verifier registered since the last claim, once; else None."""
+    if _LOCAL["claimed"]:
+        return None
+    _LOCAL["claimed"] = True
     return _LOCAL["verifier"]
 
 
@@ -111,10 +126,14 @@ class DepthFromVerifier:
         self.scheduler = scheduler
         self.warned = False
         self.scan = RunningScan()
+        self.verifier = claim_local_verifier()
 
     def __getitem__(self, batch_size: int) -> int:
         K = self.scheduler.num_spec_tokens
-        verifier = local_verifier()
+        verifier = self.verifier
+        if verifier is None:
+            # Registered after this scheduler was built, if at all.
+            verifier = self.verifier = claim_local_verifier()
         if verifier is None:
             if not self.warned:
                 self.warned = True
