@@ -870,25 +870,117 @@ def runs_from_json(path: str) -> dict:
             for c, entry in result.get("by_concurrency", {}).items() if entry.get("runs")}
 
 
+# Upper 5% points of Student's t for 1..30 degrees of freedom (a two-sided
+# 90% interval); the normal's beyond.
+T_95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+        1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
+        1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
+def t_95(df: int) -> float:
+    return T_95[df - 1] if df <= len(T_95) else 1.645
+
+
+def engines_for(sd: float, half_width: float, limit: int = 1000) -> int:
+    """Engines per arm (one sitting) for a 90% t interval of the ratio by
+    engine no wider than ±half_width (log scale) at engine spread `sd`."""
+    for n in range(2, limit + 1):
+        if t_95(2 * n - 2) * sd * math.sqrt(2 / n) <= half_width:
+            return n
+    return limit
+
+
+def by_engine(sittings: list[tuple[list[float], list[float]]], exact_limit: int = 100_000,
+              resamples: int = 20_000, seed: int = 0) -> dict | None:
+    """The engine as the unit. `sittings`: per sitting (its own engines),
+    the base group's and the group's engine medians (tokens/s). Returns the
+    ratio exp(mean over sittings of [mean log group - mean log base]); a
+    90% Student t interval from the engines' spread within their group and
+    sitting, pooled (`engine_sd`, of log tokens/s; df = engines - 2 x
+    sittings); and the one-sided permutation p-values of a ratio as low
+    (`p_below`) or as high (`p_above`) as this one when the arm labels are
+    exchanged among each sitting's engines: exact over every labelling where
+    they number at most `exact_limit`, else over `resamples` seeded draws.
+    With two engines of each arm in one sitting the labellings are 6, so
+    p_below cannot fall under 1/6: a sitting of few engines shows nothing at
+    this unit, however many batches it ran. None without an engine in each
+    group of some sitting."""
+    import itertools
+    import random
+
+    logs = [([math.log(x) for x in base], [math.log(x) for x in group])
+            for base, group in sittings if base and group]
+    if not logs:
+        return None
+    diffs = [statistics.fmean(g) - statistics.fmean(b) for b, g in logs]
+    n = len(diffs)
+    ratio = math.exp(statistics.fmean(diffs))
+    out = {"ratio": ratio, "sittings": n, "engines": [[len(b), len(g)] for b, g in logs],
+           "ratio_per_sitting": [math.exp(d) for d in diffs]}
+    df = sum(len(b) + len(g) - 2 for b, g in logs)
+    if df > 0:
+        ss = sum((x - statistics.fmean(v)) ** 2 for b, g in logs for v in (b, g) for x in v)
+        sd = math.sqrt(ss / df)
+        se = sd * math.sqrt(sum(1 / len(b) + 1 / len(g) for b, g in logs)) / n
+        t = t_95(df)
+        mean = statistics.fmean(diffs)
+        out.update(engine_sd=sd, df=df, ci90=[math.exp(mean - t * se), math.exp(mean + t * se)],
+                   # What a round would need, at this spread, to read the
+                   # ratio to within 2% or 3% (90%).
+                   engines_per_arm_for={"2%": engines_for(sd, math.log(1.02)),
+                                        "3%": engines_for(sd, math.log(1.03))})
+
+    def labellings(b, g):
+        pooled = b + g
+        for pick in itertools.combinations(range(len(pooled)), len(g)):
+            chosen = set(pick)
+            yield (statistics.fmean(pooled[i] for i in pick)
+                   - statistics.fmean(pooled[i] for i in range(len(pooled)) if i not in chosen))
+
+    per_sitting = [list(labellings(b, g)) for b, g in logs]
+    total = math.prod(len(v) for v in per_sitting)
+    observed = statistics.fmean(diffs)
+    tol = 1e-12
+    if total <= exact_limit:
+        stats = [statistics.fmean(c) for c in itertools.product(*per_sitting)]
+    else:
+        rng = random.Random(seed)
+        stats = [statistics.fmean(rng.choice(v) for v in per_sitting) for _ in range(resamples)]
+    out["p_below"] = sum(x <= observed + tol for x in stats) / len(stats)
+    out["p_above"] = sum(x >= observed - tol for x in stats) / len(stats)
+    out["labellings"] = total
+    return out
+
+
 def pool_sittings(paths: list[str]) -> dict:
     """Per concurrency that every run in `paths` (JSONs of separate sittings,
     each its own engines) has: each group's pooled ratio per repeat over the
     first group's, the repeats of all sittings together (each sitting's
-    ratios from its own engines, `pooled_ratios_by_repeat`)."""
+    ratios from its own engines, `pooled_ratios_by_repeat`), and its ratio
+    with the engine as the unit (`by_engine`)."""
     sittings = [runs_from_json(p) for p in paths]
     out: dict = {"sittings": paths, "by_concurrency": {}}
     for c in sorted(set.intersection(*(set(s) for s in sittings))):
         ratios: dict[str, list] = {}
+        engines: dict[str, list] = {}
         for runs in sittings:
             groups: dict[str, list[str]] = {}
             for arm in runs[c]:
                 groups.setdefault(base_arm(arm), []).append(arm)
             base = next(iter(groups))
+
+            def medians(members):
+                return [statistics.median(r["tok_s"] for r in runs[c][a]) for a in members]
+
             for g, members in list(groups.items())[1:]:
                 key = f"{g}_over_{base}_by_repeat"
                 ratios.setdefault(key, []).extend(
                     pooled_ratios_by_repeat(runs[c], members, groups[base]))
-        out["by_concurrency"][c] = {k: ratio_summary(v) for k, v in ratios.items() if v}
+                engines.setdefault(f"{g}_over_{base}_by_engine", []).append(
+                    (medians(groups[base]), medians(members)))
+        row = {k: ratio_summary(v) for k, v in ratios.items() if v}
+        row.update({k: e for k, e in ((k, by_engine(v)) for k, v in engines.items()) if e})
+        out["by_concurrency"][c] = row
     return out
 
 
@@ -968,7 +1060,8 @@ def main() -> None:
                         "(every batch with unrounded phase times), into --out")
     p.add_argument("--pool", nargs="+", metavar="JSON",
                    help="start no engine: pool the per-repeat group ratios of several "
-                        "sittings' JSONs (each with its own engines) into --out")
+                        "sittings' JSONs (each with its own engines) into --out, and the "
+                        "ratio by engine (`by_engine`: the engine as the unit)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.pool:
@@ -978,7 +1071,13 @@ def main() -> None:
         for c, rows in result["by_concurrency"].items():
             print(f"[C={c}] " + "; ".join(
                 f"{k} {v['median']:.3f} ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['repeats']} repeats)"
-                for k, v in rows.items()))
+                for k, v in rows.items() if "repeats" in v))
+            for k, v in rows.items():
+                if "labellings" in v:
+                    ci = (f" ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, engine sd "
+                          f"{v['engine_sd']:.3f})" if "ci90" in v else "")
+                    print(f"[C={c}] {k} {v['ratio']:.3f}{ci}, p_below {v['p_below']:.3f} "
+                          f"over {v['labellings']} labellings")
         return
     if args.summarise_log:
         if not os.path.isfile(args.summarise_log):
