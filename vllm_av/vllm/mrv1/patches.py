@@ -735,8 +735,10 @@ def _attach_verifier(worker) -> None:
         setattr(runner, _OPTIONS_ATTR, options)
         verifier = build_verifier(runner, options)
         setattr(runner, _AV_ATTR, verifier)
-        # For the scheduler of this process (scheduled depth, async scheduling).
-        register_local_verifier(verifier)
+        # For the scheduler of this process (scheduled depth, async
+        # scheduling); only then, or nothing would claim it here.
+        if options.scheduled_depth:
+            register_local_verifier(verifier)
 
 
 class CPUWorkerStartupPatch(VllmPatch):
