@@ -913,9 +913,8 @@ def by_engine(sittings: list[tuple[list[float], list[float]]], exact_limit: int 
     if not logs:
         return None
     diffs = [statistics.fmean(g) - statistics.fmean(b) for b, g in logs]
-    n = len(diffs)
-    ratio = math.exp(statistics.fmean(diffs))
-    out = {"ratio": ratio, "sittings": n, "engines": [[len(b), len(g)] for b, g in logs],
+    n, mean = len(diffs), statistics.fmean(diffs)
+    out = {"ratio": math.exp(mean), "sittings": n, "engines": [[len(b), len(g)] for b, g in logs],
            "ratio_per_sitting": [math.exp(d) for d in diffs]}
     df = sum(len(b) + len(g) - 2 for b, g in logs)
     if df > 0:
@@ -923,7 +922,6 @@ def by_engine(sittings: list[tuple[list[float], list[float]]], exact_limit: int 
         sd = math.sqrt(ss / df)
         se = sd * math.sqrt(sum(1 / len(b) + 1 / len(g) for b, g in logs)) / n
         t = t_95(df)
-        mean = statistics.fmean(diffs)
         out.update(engine_sd=sd, df=df, ci90=[math.exp(mean - t * se), math.exp(mean + t * se)],
                    # What a round would need, at this spread, to read the
                    # ratio to within 2% or 3% (90%).
@@ -939,15 +937,14 @@ def by_engine(sittings: list[tuple[list[float], list[float]]], exact_limit: int 
 
     per_sitting = [list(labellings(b, g)) for b, g in logs]
     total = math.prod(len(v) for v in per_sitting)
-    observed = statistics.fmean(diffs)
     tol = 1e-12
     if total <= exact_limit:
         stats = [statistics.fmean(c) for c in itertools.product(*per_sitting)]
     else:
         rng = random.Random(seed)
         stats = [statistics.fmean(rng.choice(v) for v in per_sitting) for _ in range(resamples)]
-    out["p_below"] = sum(x <= observed + tol for x in stats) / len(stats)
-    out["p_above"] = sum(x >= observed - tol for x in stats) / len(stats)
+    out["p_below"] = sum(x <= mean + tol for x in stats) / len(stats)
+    out["p_above"] = sum(x >= mean - tol for x in stats) / len(stats)
     out["labellings"] = total
     return out
 

@@ -11,8 +11,9 @@ asks our verifier (`AdaptiveVerifier.choose_depth`: stale scores and
 profiled costs, never this step's tokens, so lossless). The verifier lives
 on the runner, in the engine-core process under vLLM's single-process
 executor (one GPU, or the CPU backend); `register_local_verifier` makes it
-findable, and the engine's scheduler claims it when it is built. Under a multi-process executor none is found and the scheduler
-keeps vLLM's full depth (logged once).
+findable, and the engine's scheduler claims it when it is built. Under a
+multi-process executor none is found and the scheduler keeps vLLM's full
+depth (logged once).
 
 Outcomes reach the host a step late under async scheduling: they are read
 where vLLM reads them, in the correction closure its `_update_states`
