@@ -596,82 +596,37 @@ def test_by_engine_takes_the_engine_as_the_unit():
     assert side_by_side.engines_for(0.03, 0.02) > 7 and side_by_side.engines_for(0.0, 0.01) == 2
 
 
-def _null_sittings(rng, shift=1.0, engines=2, sittings=2, repeats=12, engine_sd=0.03,
-                   batch_sd=0.01):
-    """Sittings of engines whose speed is their own for their life (log-normal
-    around the arm's, sd `engine_sd`) and batches noisy around it: what the
-    H200 showed (engines of one arm 2-7% apart for a whole run)."""
-    import math
+def _calibration():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import by_engine_calibration
 
-    out = []
-    for _ in range(sittings):
-        runs = {}
-        for arm, scale in (("nospec", 1.0), ("ours", shift)):
-            for e in range(engines):
-                name = arm if e == 0 else f"{arm}_twin{e}"
-                speed = 1000 * scale * math.exp(rng.gauss(0, engine_sd))
-                runs[name] = [{"tok_s": speed * math.exp(rng.gauss(0, batch_sd)), "repeat": r}
-                              for r in range(repeats)]
-        out.append(runs)
-    return out
-
-
-def _medians(runs, arm):
-    import statistics
-
-    return [statistics.median(r["tok_s"] for r in runs[a]) for a in runs
-            if side_by_side.base_arm(a) == arm]
+    return by_engine_calibration
 
 
 def test_the_engine_interval_holds_its_level_where_the_repeat_interval_does_not():
     """Identical settings (the null), engines 3% apart by their own speed,
     batches 1% apart, 2 sittings of 2 engines per arm and 12 repeats
-    (seeded). The engine-level 90% interval excludes 1 in about 10% of runs
-    (its false-positive rate by construction; 6.8-13.2% allowed over 600
-    runs, the binomial 99% range around 10%; this seed reads 11.8%). Negative control: the interval over repeats,
-    which treats batches as independent, excludes 1 in most runs, so a gap
-    between single engines reads as one between settings (this seed: 63%)."""
-    import random
-
-    rng = random.Random(1)
-    miss_engine = 0
-    n = 600
-    for _ in range(n):
-        sits = _null_sittings(rng)
-        row = side_by_side.by_engine([(_medians(r, "nospec"), _medians(r, "ours")) for r in sits])
-        lo, hi = row["ci90"]
-        miss_engine += not lo <= 1 <= hi
-    assert 0.068 <= miss_engine / n <= 0.132, miss_engine / n
-    miss_repeat = 0
-    m = 60
-    for _ in range(m):
-        sits = _null_sittings(rng)
-        ratios = []
-        for r in sits:
-            ratios += side_by_side.pooled_ratios_by_repeat(
-                r, [a for a in r if a.startswith("ours")], [a for a in r if a.startswith("nospec")])
-        lo, hi = side_by_side.ratio_summary(ratios)["ci90"]
-        miss_repeat += not lo <= 1 <= hi
-    assert miss_repeat / m > 0.4, miss_repeat / m
+    (seeded; benchmarks/by_engine_calibration.py). The engine-level 90%
+    interval excludes 1 in about 10% of runs (its false-positive rate by
+    construction; 6.8-13.2% allowed over 600 runs, the binomial 99% range
+    around 10%; this seed reads 11.8%). Negative control: the interval over
+    repeats, which treats batches as independent, excludes 1 in most runs,
+    so a gap between single engines reads as one between settings (this
+    seed: 63%)."""
+    cal = _calibration()
+    miss_engine = cal.engine_interval_misses(seed=1, runs=600)
+    assert 0.068 <= miss_engine <= 0.132, miss_engine
+    miss_repeat = cal.repeat_interval_misses(seed=1, runs=60, skip=600)
+    assert miss_repeat > 0.4, miss_repeat
 
 
 def test_the_engine_permutation_finds_a_real_gap_with_enough_engines():
     """A 10% gap with 6 engines per arm in one sitting (924 labellings):
     p_below under 0.05 in most seeded runs (this seed: all 100); under the
     null, in about 5% (this seed: 4.7% of 300; at most 10% allowed)."""
-    import random
-
-    rng = random.Random(2)
-    hits = sum(side_by_side.by_engine([(
-        _medians(r, "nospec"), _medians(r, "ours"))
-        for r in _null_sittings(rng, shift=0.9, engines=6, sittings=1)])["p_below"] < 0.05
-        for _ in range(100))
-    assert hits >= 90, hits
-    false = sum(side_by_side.by_engine([(
-        _medians(r, "nospec"), _medians(r, "ours"))
-        for r in _null_sittings(rng, engines=6, sittings=1)])["p_below"] < 0.05
-        for _ in range(300))
-    assert false / 300 <= 0.10, false / 300  # about 5% by construction
+    rates = _calibration().permutation_rates(seed=2, power_runs=100, null_runs=300)
+    assert rates["gap_10pct_detected"] >= 0.9, rates
+    assert rates["null_p_below_005"] <= 0.10, rates  # about 5% by construction
 
 
 def test_sittings_pool_by_engine_too(tmp_path):
