@@ -207,6 +207,27 @@ def test_each_manager_claims_the_estimator_built_for_its_engine():
     del earlier, mine
 
 
+def test_both_managers_of_one_engine_score_with_its_estimator():
+    """With CUDA graphs vLLM builds the manager twice on one runner: once
+    while profiling the graphs' memory, then to serve. The serving manager
+    must get the engine's estimator too, not read as scored by a head
+    (which leaves the estimator's counters out of /metrics and budgets new
+    requests at the head's mean). A manager of another engine built after
+    them still gets none."""
+    mine = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
+    rs = _req_states(["a"])
+    qsl = torch.zeros(R_MAX + 1, dtype=torch.int32)
+
+    def build():
+        return AVManager(rs, qsl, num_bonus_tokens=1, max_total_logits=10_000,
+                         options=AVOptions(metrics_dir=""))
+
+    assert build()._estimator() is mine  # the profiling pass
+    assert build()._estimator() is mine  # the serving manager
+    assert _manager(["a"])._estimator() is None  # another engine, none built
+    del mine
+
+
 def test_with_a_trained_head_a_new_request_is_scored_at_the_recorded_mean():
     """A drafter with a trained confidence head (DSpark): vLLM builds no
     acceptance estimator, and the prior row a new request is budgeted with

@@ -42,10 +42,16 @@ from vllm_av.core.fused import fused_confidences
 # The estimator built last on each device and not yet claimed by an AV
 # manager. vLLM builds no handle from one to the other: the runner loads the
 # speculator (which builds the estimator) before it builds the manager, so a
-# manager claims the one built before it. Claimed once: a manager whose
-# drafter built none (a trained confidence head) must not pick up an earlier
-# engine's estimator still alive in the same process.
+# manager claims the one built before it. Claimed once per engine: a manager
+# whose drafter built none (a trained confidence head) must not pick up an
+# earlier engine's estimator still alive in the same process.
 _UNCLAIMED: dict[str, "weakref.ReferenceType[AcceptanceEstimator]"] = {}
+# What an engine claimed is kept on its runner's request states (one object
+# per runner, alive as long as it), under this name. With CUDA graphs vLLM
+# 0.32 builds the manager twice (vllm/v1/worker/gpu/cudagraph_utils.py
+# initializes the KV cache once to profile the graphs' memory, then again to
+# serve), and both managers belong to the engine that built the one estimator.
+_CLAIM_ATTR = "_vllm_av_claimed_estimator"
 
 
 def _key(device) -> str:
@@ -55,15 +61,21 @@ def _key(device) -> str:
     return str(d)
 
 
-def claim_estimator(device, max_num_reqs: int, num_speculative_steps: int
+def claim_estimator(engine, device, max_num_reqs: int, num_speculative_steps: int
                     ) -> "AcceptanceEstimator | None":
     """The estimator built for this engine's drafter, or None (none was
-    built, or the unclaimed one is of another shape: not this engine's)."""
+    built, or the unclaimed one is of another shape: not this engine's).
+    `engine` is the runner's request states: a second manager of the same
+    engine gets what the first claimed."""
+    claimed = getattr(engine, _CLAIM_ATTR, False)
+    if claimed is not False:
+        return claimed() if claimed is not None else None
     ref = _UNCLAIMED.pop(_key(device), None)
     est = ref() if ref is not None else None
-    if est is None or (est.max_num_reqs, est.num_speculative_steps) != (
+    if est is not None and (est.max_num_reqs, est.num_speculative_steps) != (
             max_num_reqs, num_speculative_steps):
-        return None
+        est = None
+    setattr(engine, _CLAIM_ATTR, weakref.ref(est) if est is not None else None)
     return est
 
 

@@ -200,7 +200,7 @@ class AVManager:
         self._cudagraph_limit = 0
         self._capture_sizes: list[int] = []
         self.R = R = req_states.max_num_reqs
-        self._est = claim_estimator(device, R, K)
+        self._est = claim_estimator(req_states, device, R, K)
         cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         # Current confidences by request slot (device).
