@@ -19,8 +19,10 @@ verified, and depth K on every step under trimming; and depths K, 0, 0
 in turn, whose last step verifies and drafts nothing and so ends as plain
 decoding; and the same cycle with target steps building no metadata for
 the draft's layers, with a draft whose heads differ from the target's;
-and with V2's EAGLE speculator (a random tiny EAGLE head) instead of the
-draft model. Four chi-square
+and with V2's other speculators instead of the draft model: EAGLE (a
+random tiny EAGLE head) as served and at depths 0, 1, K, 2, MTP (a tiny
+MiMo target's own layer) at those depths, DSpark with its trained
+confidence head, and DFlash. Four chi-square
 tests at ALPHA = 1e-5 per run: false-positive rate at most 4e-5 in float32. In bfloat16 the
 engine's target is the float32 one rounded: computed on the CPU, the
 rounding gives noncentralities of 0.8-5.2 at N = 8000, which lift each
@@ -292,6 +294,21 @@ def test_dspark_with_its_confidence_head_on_model_runner_v2_matches_target_distr
     assert min(pvals.values()) >= ALPHA, pvals
     assert stats is not None and stats["confidence_source"] == "head", stats
     assert stats["trimmed"] > 0 and stats["depth_steps"] == 0, stats
+
+
+def test_dflash_on_model_runner_v2_matches_target_distribution(
+        models, exact, cost_table, tmp_path):
+    """V2's DFlash speculator (a random tiny Qwen3 head over the target's
+    aux hidden states, all K drafts in one non-causal pass) under our
+    manager, with CUDA graphs: scored by our estimator, budgeted and
+    trimmed. Block drafting: no depth."""
+    from tiny_models import build_dflash_draft
+
+    pvals, stats = _sample_on_v2(build_dflash_draft(models), exact, cost_table, tmp_path,
+                                 "MRV2 with DFlash", {}, method="dflash")
+    assert min(pvals.values()) >= ALPHA, pvals
+    assert stats is not None and stats["confidence_source"] == "estimator", stats
+    assert stats["verified"] > 0 and stats["trimmed"] > 0 and stats["depth_steps"] == 0, stats
 
 
 # Depth forced to alternate 0, K on Model Runner V2 with depth 0 skipping
