@@ -111,8 +111,8 @@ def _batch(idx):
                            idx_mapping_np=idx)
 
 
-def _manager(ids, estimator=None):
-    rs = _req_states(ids)
+def _manager(ids, estimator=None, req_states=None):
+    rs = req_states if req_states is not None else _req_states(ids)
     qsl = torch.zeros(R_MAX + 1, dtype=torch.int32)
     m = AVManager(rs, qsl, num_bonus_tokens=1, max_total_logits=10_000,
                   options=AVOptions(metrics_dir=""))
@@ -216,14 +216,8 @@ def test_both_managers_of_one_engine_score_with_its_estimator():
     them still gets none."""
     mine = AcceptanceEstimator(R_MAX, K, torch.device("cpu"))
     rs = _req_states(["a"])
-    qsl = torch.zeros(R_MAX + 1, dtype=torch.int32)
-
-    def build():
-        return AVManager(rs, qsl, num_bonus_tokens=1, max_total_logits=10_000,
-                         options=AVOptions(metrics_dir=""))
-
-    assert build()._estimator() is mine  # the profiling pass
-    assert build()._estimator() is mine  # the serving manager
+    assert _manager(["a"], req_states=rs)._estimator() is mine  # the profiling pass
+    assert _manager(["a"], req_states=rs)._estimator() is mine  # the serving manager
     assert _manager(["a"])._estimator() is None  # another engine, none built
     del mine
 

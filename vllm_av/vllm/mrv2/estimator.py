@@ -67,15 +67,14 @@ def claim_estimator(engine, device, max_num_reqs: int, num_speculative_steps: in
     built, or the unclaimed one is of another shape: not this engine's).
     `engine` is the runner's request states: a second manager of the same
     engine gets what the first claimed."""
-    claimed = getattr(engine, _CLAIM_ATTR, False)
-    if claimed is not False:
-        return claimed() if claimed is not None else None
+    if hasattr(engine, _CLAIM_ATTR):
+        return getattr(engine, _CLAIM_ATTR)
     ref = _UNCLAIMED.pop(_key(device), None)
     est = ref() if ref is not None else None
     if est is not None and (est.max_num_reqs, est.num_speculative_steps) != (
             max_num_reqs, num_speculative_steps):
         est = None
-    setattr(engine, _CLAIM_ATTR, weakref.ref(est) if est is not None else None)
+    setattr(engine, _CLAIM_ATTR, est)  # lives with the runner anyway: its speculator holds it
     return est
 
 
