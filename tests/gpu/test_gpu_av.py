@@ -326,7 +326,10 @@ def test_our_av_is_served_inside_model_runner_v2_by_default(plain_outputs, tmp_p
     """No runner or path chosen (vLLM's default runner, V2 on a GPU, and
     none of our switches set): the flag is served by our manager inside V2,
     outputs agree and drafts were verified (our metrics snapshot exists
-    only where our manager ran)."""
+    only where our manager ran), scored by our estimator: the draft model
+    has no head, and with CUDA graphs vLLM builds a throwaway manager first
+    that once took the estimator and left the served one scoring as
+    "head", with nothing verified."""
     from vllm_av.vllm.metrics import read_snapshot
 
     for name in ("VLLM_AV_MRV2", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_AV_IMPL",
@@ -341,6 +344,7 @@ def test_our_av_is_served_inside_model_runner_v2_by_default(plain_outputs, tmp_p
     assert_agrees(outs, plain_outputs, "ours by default (V2)", counts)
     stats = read_snapshot(str(tmp_path))
     assert stats is not None and stats["steps"] > 0 and stats["drafted"] > 0, stats
+    assert stats["confidence_source"] == "estimator" and stats["verified"] > 0, stats
     assert counts.get("num_draft_tokens", 0) > 0
 
 
