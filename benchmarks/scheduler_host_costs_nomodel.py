@@ -68,7 +68,10 @@ def wrap(cls, meth: str, name: str) -> None:
 def capture(llm) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     s = core.scheduler
+    # Ours' verifier (the engine's AV manager): each fresh scheduler claims
+    # it again, as the engine's own claimed it once (claim_local_verifier).
     return {"cls": type(s), "hasher": core.request_block_hasher,
+            "verifier": getattr(s.dynamic_sd_lookup, "verifier", None),
             "kwargs": dict(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
                            structured_output_manager=s.structured_output_manager,
                            include_finished_set=s.finished_req_ids_dict is not None, log_stats=s.log_stats,
@@ -93,6 +96,10 @@ def drive(arm: dict, concurrency: int, max_tokens: int, tag: str, prompt_len: in
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
+    if arm["verifier"] is not None:
+        from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
+
+        register_local_verifier(arm["verifier"])
     sched = arm["cls"](**arm["kwargs"])
     for i in range(concurrency):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
