@@ -1,0 +1,37 @@
+"""benchmarks/exploration_share.py: the drafter's share of ours' served
+step time, read from side-by-side JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from exploration_share import exploration_share  # noqa: E402
+
+
+def _run(ms_per_step: float, propose_ms: float | None) -> dict:
+    phases = {"schedule": {"calls": 100, "ms_per_step": 0.1}}
+    if propose_ms is not None:
+        phases["propose"] = {"calls": 2, "ms_per_step": propose_ms}
+    return {"ms_per_step": ms_per_step, "phases": phases}
+
+
+def test_shares_count_only_ours_and_exploring_batches(tmp_path):
+    data = {"by_concurrency": {
+        "16": {"runs": {"ours_served": [_run(2.0, 0.02), _run(2.0, None)],
+                        "ours_served_twin": [_run(4.0, None)],
+                        "nospec": [_run(1.0, 0.5)]}},
+        "1": {"runs": {"ours_served": [_run(1.0, None)]}}}}
+    path = tmp_path / "side_by_side.json"
+    path.write_text(json.dumps(data))
+    out = exploration_share([path], "ours_served")
+    assert list(out) == ["1", "16"]
+    assert out["16"]["batches"] == 3 and out["16"]["exploring_batches"] == 1
+    assert out["16"]["mean_share"] == pytest.approx(0.01 / 3)
+    assert out["16"]["max_share"] == pytest.approx(0.01)
+    assert out["1"]["exploring_batches"] == 0 and out["1"]["mean_share"] == 0.0
