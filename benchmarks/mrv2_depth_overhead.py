@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vllm_av.vllm.config import AVOptions
-from vllm_av.vllm.mrv1.scheduled_depth import register_local_verifier
+from vllm_av.vllm.mrv1.scheduled_depth import DepthFromVerifier, register_local_verifier
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch, note_propose
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator
 from vllm_av.vllm.mrv2.manager import AVManager
@@ -78,6 +78,19 @@ def time_step(R: int, steps: int, metrics_dir: str, landed: bool = False) -> dic
             note_propose(False)
             m.record_confidences(torch.full((R, K), 0.5), batch)
     choose, rest = [], []
+    # The scheduler's whole lookup (DepthFromVerifier: the scan of the
+    # running requests, then the manager), over R decoding requests.
+    register_local_verifier(m)
+    scheduler = SimpleNamespace(num_spec_tokens=K, running=[
+        SimpleNamespace(request_id=r, is_prefill_chunk=False, num_computed_tokens=100,
+                        num_prompt_tokens=10, sampling_params=SimpleNamespace(seed=None))
+        for r in ids])
+    lookup = DepthFromVerifier(scheduler)
+    lookups = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lookup[R]
+        lookups.append(time.perf_counter() - t0)
     for _ in range(steps):
         t0 = time.perf_counter()
         d = m.choose_depth(ids, num_sampling=R, num_other_tokens=R)
@@ -94,7 +107,8 @@ def time_step(R: int, steps: int, metrics_dir: str, landed: bool = False) -> dic
             "choose_depth_us_p99": 1e6 * float(np.percentile(choose, 99)),
             # The mean carries the metrics snapshot written every 16 ticks.
             "choose_depth_us_mean": 1e6 * float(np.mean(choose)),
-            "propose_and_record_us_median": 1e6 * float(np.median(rest))}
+            "propose_and_record_us_median": 1e6 * float(np.median(rest)),
+            "scheduler_lookup_us_median": 1e6 * float(np.median(lookups))}
 
 
 def main() -> None:
@@ -116,7 +130,8 @@ def main() -> None:
                       f"choose_depth median {row['choose_depth_us_median']:.1f} us, mean "
                       f"{row['choose_depth_us_mean']:.1f} (p99 "
                       f"{row['choose_depth_us_p99']:.1f}); propose + record "
-                      f"{row['propose_and_record_us_median']:.1f} us")
+                      f"{row['propose_and_record_us_median']:.1f} us; the scheduler's lookup "
+                      f"{row['scheduler_lookup_us_median']:.1f} us")
     register_local_verifier(None)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
               "command": "python benchmarks/mrv2_depth_overhead.py", "rows": rows}
