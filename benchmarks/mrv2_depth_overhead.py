@@ -65,8 +65,11 @@ def _manager(R, metrics_dir):
     return m
 
 
-def time_step(R: int, steps: int, metrics_dir: str, landed: bool = False) -> dict:
-    est = AcceptanceEstimator(R, K, torch.device("cpu"))
+def time_step(R: int, steps: int, metrics_dir: str, landed: bool = False,
+              estimator: bool = True) -> dict:
+    # Without one the manager's prior is all ones (an engine whose drafter
+    # built no estimator).
+    est = AcceptanceEstimator(R, K, torch.device("cpu")) if estimator else None
     m = _manager(R, metrics_dir)
     drafter = _Drafter(R)
     ids = [f"r{i}" for i in range(R)]
@@ -116,6 +119,8 @@ def main() -> None:
     p.add_argument("--sizes", default="1,16,64,256")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--out", default=None)
+    p.add_argument("--without-estimator", action="store_true",
+                   help="no estimator built: the manager's prior is all ones")
     args = p.parse_args()
     import tempfile
 
@@ -123,7 +128,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for R in (int(x) for x in args.sizes.split(",")):
             for landed in (False, True):
-                row = time_step(R, args.steps, tmp, landed)
+                row = time_step(R, args.steps, tmp, landed, not args.without_estimator)
                 rows.append(row)
                 where = " after a record" if landed else ""
                 print(f"R={R}{where}: depth 0 on {row['depth0_steps']}/{row['steps']} steps; "
@@ -134,7 +139,8 @@ def main() -> None:
                       f"{row['scheduler_lookup_us_median']:.1f} us")
     register_local_verifier(None)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-              "command": "python benchmarks/mrv2_depth_overhead.py", "rows": rows}
+              "command": "python benchmarks/mrv2_depth_overhead.py",
+              "estimator": not args.without_estimator, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -230,7 +230,10 @@ class AVManager:
         # prior's survival last handed to it.
         self.depth = None
         self._prior_cache: tuple | None = None
-        self._ones_prior: np.ndarray | None = None  # the prior with no estimator
+        # The prior with no estimator, one array for every call: the depth
+        # choice's memo holds while the prior it reads is the same object.
+        self._ones_prior = np.ones(K)
+        self._ones_prior.flags.writeable = False
         self._ticks = 0  # metric snapshots: one per metrics_interval ticks
         # The estimator told which steps carry labels (adaptive depth only).
         self._labelled = None
@@ -459,11 +462,6 @@ class AVManager:
         if stale.step < 0:
             est = self._estimator()
             if est is None:
-                # One array for every call: the depth choice's memo holds
-                # while the prior it reads is the same object.
-                if self._ones_prior is None:
-                    self._ones_prior = np.ones(self.num_speculative_steps)
-                    self._ones_prior.flags.writeable = False
                 return self._ones_prior
             return est.core.prior_survival_host(self.num_speculative_steps)
         # A landed slot's row changes only when a later record lands in it:
