@@ -368,9 +368,14 @@ def counter(metrics: dict, name: str) -> float:
     return 0.0
 
 
-def per_position(metrics: dict, name: str) -> list[float]:
+def by_label(metrics: dict, name: str, label: str) -> dict[int, float]:
+    """{int(label value): value} of a series labelled by `label`."""
     series = metrics.get(name) or metrics.get(name + "_total") or {}
-    by_pos = {int(dict(k)["position"]): v for k, v in series.items() if "position" in dict(k)}
+    return {int(dict(k)[label]): v for k, v in series.items() if label in dict(k)}
+
+
+def per_position(metrics: dict, name: str) -> list[float]:
+    by_pos = by_label(metrics, name, "position")
     return [by_pos[i] for i in sorted(by_pos)]
 
 
@@ -389,6 +394,12 @@ def spec_figures(arm: str, before: dict, after: dict) -> dict:
                     for k in ("drafted", "verified", "accepted", "trimmed")})
         out["vllm_counted_draft_tokens"] = vllm_drafted
         out["vllm_counted_accepted_tokens"] = vllm_accepted
+        # Steps of this level at each drafting depth (adaptive depth).
+        name = "vllm_av:depth_chosen_steps"
+        start = by_label(before, name, "depth")
+        steps = {k: v - start.get(k, 0.0) for k, v in sorted(by_label(after, name, "depth").items())}
+        if any(steps.values()):
+            out["steps_by_depth"] = steps
     elif num_drafts > 0:
         out.update({"drafted": vllm_drafted, "verified": vllm_drafted,
                     "accepted": vllm_accepted, "trimmed": 0.0})
@@ -435,6 +446,13 @@ def format_table(levels: list[dict], acceptance: dict[str, dict]) -> str:
             f"{_fmt(lv['tok_s_per_user'], '10.2f')} {_fmt(s.get('accepted_per_step'), '8.2f')} "
             + " ".join(_fmt(s.get(k), "8.0f")
                        for k in ("drafted", "verified", "accepted", "trimmed")))
+    for lv in levels:
+        steps = lv["spec"].get("steps_by_depth")
+        if steps:
+            total = sum(steps.values())
+            shares = "  ".join(f"{d}: {100 * n / total:.0f}%" for d, n in steps.items() if n)
+            lines.append(f"{lv['arm']} C={lv['concurrency']} steps by drafting depth "
+                         f"({total:.0f} steps): {shares}")
     for arm, acc in acceptance.items():
         if acc.get("observed"):
             obs = " ".join(f"{p:.2f}" for p in acc["observed"])

@@ -78,6 +78,23 @@ def test_ours_takes_draft_token_counts_from_our_counters():
     assert s["accepted_per_step"] == pytest.approx(50 / 20 + 1)
 
 
+def test_ours_counts_the_level_s_steps_at_each_drafting_depth_and_the_table_shows_shares():
+    depth = ('vllm_av:depth_chosen_steps_total{{depth="0"}} {}\n'
+             'vllm_av:depth_chosen_steps_total{{depth="1"}} {}\n'
+             'vllm_av:depth_chosen_steps_total{{depth="7"}} {}\n')
+    before = demo.parse_metrics(METRICS + depth.format(10.0, 5.0, 2.0))
+    after = demo.parse_metrics(METRICS + depth.format(40.0, 5.0, 12.0))
+    s = demo.spec_figures("ours", before, after)
+    assert s["steps_by_depth"] == {0: 30.0, 1: 0.0, 7: 10.0}
+    reqs = [demo.request_timing("humaneval", 65, [1.0, 9.0], 9.0)]
+    lv = demo.level_summary("ours", 4, reqs, 9.0, before, after)
+    line = [x for x in demo.format_table([lv], {}).splitlines() if "depth" in x]
+    assert line == ["ours C=4 steps by drafting depth (40 steps): 0: 75%  7: 25%"]
+    json.dumps(lv)
+    # No step chose a depth in the level (fixed K, or adaptive depth off).
+    assert "steps_by_depth" not in demo.spec_figures("ours", after, after)
+
+
 def test_no_speculation_has_no_draft_figures():
     s = demo.spec_figures("nospec", {}, {})
     assert s["accepted_per_step"] is None and "drafted" not in s
