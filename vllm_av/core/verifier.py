@@ -45,6 +45,7 @@ from vllm_av.core.budget import best_depth, size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
+from vllm_av.core.stale_rows import StaleRowWeight
 from vllm_av.core.survival import survival
 from vllm_av.core.transfer import host_to_device
 
@@ -74,6 +75,8 @@ class VerifierStats:
     predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
     observed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # How far stale rows are trusted against the prior (stale_rows.py).
+    stale_row_weight: float = 1.0
 
 
 def record_depth(stats, depth: int, K: int) -> None:
@@ -127,6 +130,10 @@ class _Drafts:
         self.admitted = np.zeros(capacity, dtype=np.int64)  # [S]
         self.source = np.zeros(capacity, dtype=np.int64)  # [S] index into `features`
         self.row = np.zeros(capacity, dtype=np.int64)  # [S] row in that tensor
+        # [S, K] the survival row the slot had before these drafts (what a
+        # depth or budget planned for them read), and whether it had one.
+        self.prev = np.zeros((capacity, K), dtype=np.float32)
+        self.has_prev = np.zeros(capacity, dtype=bool)
         self.features: list[torch.Tensor] = []  # [R, k] per `admit` call
 
     def clear(self) -> None:
@@ -134,7 +141,7 @@ class _Drafts:
         self.features = []
 
     def grow(self, capacity: int) -> None:
-        for name in ("live", "conf", "admitted", "source", "row"):
+        for name in ("live", "conf", "admitted", "source", "row", "prev", "has_prev"):
             setattr(self, name, _grown(getattr(self, name), capacity))
 
     def gather_features(self, slots: np.ndarray) -> torch.Tensor:
@@ -273,6 +280,7 @@ class AdaptiveVerifier:
         self._stale_width = np.zeros(INITIAL_SLOTS, dtype=np.int64)  # [S]
         # Admitted drafts of the last `admit`, and of the one before it once
         # `begin_step` says they are being verified.
+        self.row_weight = StaleRowWeight(self.K)
         self._pending = _Drafts(INITIAL_SLOTS, self.K)
         self._verifying = _Drafts(INITIAL_SLOTS, self.K)
         # Host copies `admit(admit_all=True)` left on the device (async
@@ -556,6 +564,9 @@ class AdaptiveVerifier:
             prior = self._prior_host()  # [K]
             rows[new] = prior
             width[new] = len(prior)
+        # A row one step old, moved toward the prior as far as past outcomes
+        # say such rows predict the next drafts (stale_rows.py).
+        rows = self.row_weight.apply(rows, self._prior_host())
         # Row-major boolean indexing: the rows' prefixes, one after another.
         return rows[np.arange(self.K) < np.minimum(n, width)[:, None]]
 
@@ -664,8 +675,11 @@ class AdaptiveVerifier:
         ids = [req_ids[r] for r in rows]
         # Requests seen for the first time (deferred path only; read before
         # their slots are assigned).
-        new = self._slots_of(ids) < 0 if admit_all else None
+        new = self._slots_of(ids) < 0
         slots = self._assign_slots(ids)
+        # Before the rows are replaced: what planning for these drafts read.
+        self._pending.prev[slots] = self._stale_rows[slots]
+        self._pending.has_prev[slots] = ~new
         if admit_all:
             # Nothing here needs the values now: copy them when they are.
             # Until then a new request's row is the prior, not whatever
@@ -791,6 +805,10 @@ class AdaptiveVerifier:
             slots, v, a = slots[keep], v[keep], a[keep]
         if slots.size == 0:
             return
+        had = ver.has_prev[slots]
+        if had.any():
+            self.row_weight.add(ver.prev[slots[had]], self._prior_host(), v[had], a[had])
+            s.stale_row_weight = self.row_weight.weight
         # Calibration: labelled slots are the accepted ones plus the first
         # rejection if it was verified. np.add.at adds in row order, so the
         # float sums are those of a per-request loop, bit for bit.
