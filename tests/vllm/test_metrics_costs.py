@@ -46,14 +46,14 @@ def test_timed_steps_show_as_cost_scales(tmp_path):
     assert list(verify) == ["4"] and np.isclose(verify["4"], 1.0, rtol=0.05), verify
 
 
-def test_the_stale_row_weight_shows(tmp_path):
-    # 1 (rows as they are) until fitted, then the fitted weight.
+def test_the_stale_row_slope_shows(tmp_path):
+    # 1 (rows as they are) until fitted, then the fitted slope.
     v = _verifier()
     write_snapshot(str(tmp_path), v)
-    assert _families(tmp_path)["vllm_av:stale_row_weight"].samples[0].value == 1.0
-    v.stats.stale_row_weight = 0.25  # as the verifier sets it after a fit
+    assert _families(tmp_path)["vllm_av:stale_row_slope"].samples[0].value == 1.0
+    v.stats.stale_row_slope = 0.25  # as the verifier sets it after a fit
     write_snapshot(str(tmp_path), v)
-    assert _families(tmp_path)["vllm_av:stale_row_weight"].samples[0].value == 0.25
+    assert _families(tmp_path)["vllm_av:stale_row_slope"].samples[0].value == 0.25
 
 
 def test_measured_cost_of_a_model_free_drafter_shows(tmp_path):

@@ -45,7 +45,7 @@ from vllm_av.core.budget import best_depth, size_budget
 from vllm_av.core.cost_model import CostModel
 from vllm_av.core.estimator import OnlineAcceptanceEstimator
 from vllm_av.core.selector import select_admitted
-from vllm_av.core.stale_rows import StaleRowWeight
+from vllm_av.core.stale_rows import StaleRowCalibration
 from vllm_av.core.survival import survival
 from vllm_av.core.transfer import host_to_device
 
@@ -75,8 +75,9 @@ class VerifierStats:
     predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
     observed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     labelled: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    # How far stale rows are trusted against the prior (stale_rows.py).
-    stale_row_weight: float = 1.0
+    # The slope of the map from stale rows to the next drafts' acceptance
+    # (stale_rows.py; 1 with zero intercepts: the rows as they are).
+    stale_row_slope: float = 1.0
 
 
 def record_depth(stats, depth: int, K: int) -> None:
@@ -280,7 +281,8 @@ class AdaptiveVerifier:
         self._stale_width = np.zeros(INITIAL_SLOTS, dtype=np.int64)  # [S]
         # Admitted drafts of the last `admit`, and of the one before it once
         # `begin_step` says they are being verified.
-        self.row_weight = StaleRowWeight(self.K)
+        self.row_calibration = StaleRowCalibration(self.K)
+        self._planned_prior = None  # (prior, map version, mapped prior)
         self._pending = _Drafts(INITIAL_SLOTS, self.K)
         self._verifying = _Drafts(INITIAL_SLOTS, self.K)
         # Host copies `admit(admit_all=True)` left on the device (async
@@ -523,7 +525,7 @@ class AdaptiveVerifier:
             # batch's counts, the prior and the costs alone, so a run of
             # depth-0 steps with none of them changed repeats it without the
             # search (host time on every step an engine drafts nothing).
-            prior = self._prior_host()  # [K]
+            prior = self._planning_prior()  # [K]
             key = (R, num_sampling, num_other_tokens, self._costs_stamp(),
                    self.depth_entry_margin)
             memo = self._zero_depth_memo
@@ -564,11 +566,27 @@ class AdaptiveVerifier:
             prior = self._prior_host()  # [K]
             rows[new] = prior
             width[new] = len(prior)
-        # A row one step old, moved toward the prior as far as past outcomes
-        # say such rows predict the next drafts (stale_rows.py).
-        rows = self.row_weight.apply(rows, self._prior_host())
+        # A row one step old (or the prior), mapped to what such rows saw
+        # of the next drafts (stale_rows.py).
+        rows = self.row_calibration.apply(rows)
         # Row-major boolean indexing: the rows' prefixes, one after another.
         return rows[np.arange(self.K) < np.minimum(n, width)[:, None]]
+
+    def _planning_prior(self) -> np.ndarray:
+        """The prior row as plans read it (mapped, stale_rows.py): the same
+        array while neither the prior nor the map changes, so that the
+        depth-0 memo holds."""
+        prior = self._prior_host()
+        cal = self.row_calibration
+        if not cal.fitted:
+            return prior
+        kept = self._planned_prior
+        if kept is not None and kept[0] is prior and kept[1] == cal.version:
+            return kept[2]
+        mapped = cal.apply(np.asarray(prior, dtype=np.float64)[None])[0]
+        mapped.flags.writeable = False
+        self._planned_prior = (prior, cal.version, mapped)
+        return mapped
 
     def _prior_host(self) -> np.ndarray:
         """The estimator's prior survival [K] on the host (copied once per
@@ -807,8 +825,8 @@ class AdaptiveVerifier:
             return
         had = ver.has_prev[slots]
         if had.any():
-            self.row_weight.add(ver.prev[slots[had]], self._prior_host(), v[had], a[had])
-            s.stale_row_weight = self.row_weight.weight
+            self.row_calibration.add(ver.prev[slots[had]], v[had], a[had])
+            s.stale_row_slope = self.row_calibration.slope
         # Calibration: labelled slots are the accepted ones plus the first
         # rejection if it was verified. np.add.at adds in row order, so the
         # float sums are those of a per-request loop, bit for bit.

@@ -47,9 +47,9 @@ def snapshot(verifier, extra: dict | None = None) -> dict:
         # "head": a trained confidence head scored the drafts; the estimator's
         # fields and the accepted / verified counts are then not ours to give.
         "confidence_source": getattr(s, "confidence_source", "estimator"),
-        # How far one-step-old rows are trusted against the prior when the
-        # depth and budget are planned (vllm_av/core/stale_rows.py).
-        "stale_row_weight": getattr(s, "stale_row_weight", 1.0),
+        # The slope of the map from one-step-old rows to the next drafts'
+        # acceptance, for the depth and budget (vllm_av/core/stale_rows.py).
+        "stale_row_slope": getattr(s, "stale_row_slope", 1.0),
         "slope": est.slope,
         "intercepts": est.intercepts,
         "predicted": s.predicted.tolist(),
@@ -194,10 +194,10 @@ class AVCollector:
             value=snap.get("depth", 0),
         )
         yield GaugeMetricFamily(
-            f"{PREFIX}stale_row_weight",
-            "Weight of each request's one-step-old survival row against the prior "
-            "when the depth and budget are planned (1: the row as it is, 0: the prior)",
-            value=snap.get("stale_row_weight", 1.0),
+            f"{PREFIX}stale_row_slope",
+            "Slope of the map from a request's one-step-old survival row to its next "
+            "drafts' acceptance, for the depth and budget (1: the row as it is)",
+            value=snap.get("stale_row_slope", 1.0),
         )
         yield CounterMetricFamily(
             f"{PREFIX}depth_steps", "Steps whose drafting depth was chosen adaptively",
