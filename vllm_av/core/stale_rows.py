@@ -5,9 +5,10 @@ row of its previous drafting step (`AdaptiveVerifier.stale_scores`), or
 from the estimator's prior row for all requests after a step that drafted
 nothing: the drafts they plan for do not exist yet. Such a row is not a
 calibrated prediction of the next drafts. The next drafts regress toward
-the population: on the real Qwen2.5-Coder pair's traces a stale row's top
-quartile at position 7 (0.95 predicted) saw 0.78 survive at the next step,
-its bottom quartile (0.28) 0.39. The prior row stands for a request with
+the population: in a replay of the real Qwen2.5-Coder pair's HumanEval traces at 4
+requests a stale row's top quartile at position 7 (0.95 predicted) saw
+0.83 survive at the next step, its bottom quartile (0.23) 0.33
+(benchmarks/stale_row_predictiveness.py). The prior row stands for a request with
 no row of its own and is mapped the same way.
 
 `StaleRowCalibration` maps each conditional acceptance c of such a row to
@@ -95,10 +96,10 @@ class StaleRowCalibration:
         x = np.clip(_logit(conditionals(rows)), -X_LIMIT, X_LIMIT)[labelled]
         p = np.broadcast_to(pos, labelled.shape)[labelled]
         y = (pos < accepted[:, None])[labelled].astype(np.float64)
-        for lo in range(0, len(x), WINDOW):  # ring buffer
-            at = (self._n + np.arange(len(x[lo:lo + WINDOW]))) % WINDOW
-            self._x[at], self._pos[at], self._y[at] = x[lo:lo + WINDOW], p[lo:lo + WINDOW], y[lo:lo + WINDOW]
-            self._n += len(at)
+        # Into the ring buffer: of more than a window at once, the last window.
+        at = (self._n + len(x) - np.arange(min(len(x), WINDOW), 0, -1)) % WINDOW
+        self._x[at], self._pos[at], self._y[at] = x[-WINDOW:], p[-WINDOW:], y[-WINDOW:]
+        self._n += len(x)
         self._since_fit += 1
         if self._n >= MIN_LABELS and (not self.fitted or self._since_fit >= REFIT_INTERVAL):
             self.refit()

@@ -279,10 +279,11 @@ class AdaptiveVerifier:
         # `_stale_width` entries: the width of that step's features).
         self._stale_rows = np.zeros((INITIAL_SLOTS, self.K), dtype=np.float32)  # [S, K]
         self._stale_width = np.zeros(INITIAL_SLOTS, dtype=np.int64)  # [S]
-        # Admitted drafts of the last `admit`, and of the one before it once
-        # `begin_step` says they are being verified.
+        # What stale rows saw of the next drafts, to plan from (stale_rows.py).
         self.row_calibration = StaleRowCalibration(self.K)
         self._planned_prior = None  # (prior, map version, mapped prior)
+        # Admitted drafts of the last `admit`, and of the one before it once
+        # `begin_step` says they are being verified.
         self._pending = _Drafts(INITIAL_SLOTS, self.K)
         self._verifying = _Drafts(INITIAL_SLOTS, self.K)
         # Host copies `admit(admit_all=True)` left on the device (async
@@ -691,8 +692,9 @@ class AdaptiveVerifier:
 
         rows = np.flatnonzero(num_drafted > 0)  # requests that drafted
         ids = [req_ids[r] for r in rows]
-        # Requests seen for the first time (deferred path only; read before
-        # their slots are assigned).
+        # Requests seen for the first time (read before their slots are
+        # assigned): no row came before their drafts, and on the deferred
+        # path their row starts as the prior.
         new = self._slots_of(ids) < 0
         slots = self._assign_slots(ids)
         # Before the rows are replaced: what planning for these drafts read.
