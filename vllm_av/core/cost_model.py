@@ -271,6 +271,19 @@ class CostModel:
         self._scaled = {}
         self.version += 1
 
+    def drop_verify_scale(self, bucket: int, plain: bool = False) -> None:
+        """Forget bucket's correction (the nearest corrected bucket's then
+        stands in)."""
+        scales = self.plain_verify_scale if plain else self.verify_scale
+        if scales.pop(int(bucket), None) is not None:
+            self._scaled = {}
+            self.version += 1
+
+    def drop_draft_scale(self, depth: int) -> None:
+        """Forget the correction of drafting at `depth`."""
+        if self.draft_scale.pop(int(depth), None) is not None:
+            self.version += 1
+
     def set_draft_scale(self, depth: int, factor: float) -> None:
         """The measured correction of drafting at `depth`."""
         if _within_tolerance(self.draft_scale.get(int(depth)), factor):

@@ -224,6 +224,17 @@ PLAIN_PROBES_MAX = 8
 CALIBRATION_WINDOW = 7
 CALIBRATION_MIN_SAMPLES = 3
 CALIBRATION_CLIP = (0.05, 100.0)
+# A correction that its table has not re-measured over this many timed
+# steps gives way to the nearest re-measured key's, while the table keeps
+# one. A key is timed only where the policy steps, so a correction taken
+# while the machine was loaded (an engine started beside another process)
+# and never re-timed would stand for the rest of the run: the cost it
+# states keeps the policy away from that size. On the CPU one such bucket
+# priced verification at depth 1 at 576 ms against 440 for a plain step,
+# and the policy stayed at depth 0 while its explorations, at depth K,
+# timed another bucket. Checked every CALIBRATION_EXPIRY_EVERY timed steps.
+CALIBRATION_STALE_STEPS = 128
+CALIBRATION_EXPIRY_EVERY = 16
 # Feature (logit(q_max)) given to undrafted slots before any slot at that
 # position was drafted: q_max = 0.88, a confident drafter.
 UNDRAFTED_FEATURE = 2.0
@@ -318,6 +329,10 @@ class AdaptiveVerifier:
         # it tells whether a bucket's correction comes from such steps.
         self._prefill_log_scale: dict[int, deque] = {}
         self.prefill_step_scale: dict[int, float] = {}
+        # Timed steps so far, and the timed step at which each key of each
+        # table (draft, verify, plain) was last measured.
+        self._timed_steps = 0
+        self._last_timed: dict[str, dict[int, int]] = {"draft": {}, "verify": {}, "plain": {}}
         # Recent measured drafting times per request-count bucket, for
         # drafters with no profiled cost (model-free).
         self._draft_ms: dict[int, deque] = {}
@@ -487,6 +502,31 @@ class AdaptiveVerifier:
         scale = _update_scale(log_scale, bucket, ms / predicted)
         if scale is not None:
             self.cost.set_verify_scale(bucket, scale, plain=plain)
+        self._timed_steps += 1
+        self._last_timed["plain" if plain else "verify"][bucket] = self._timed_steps
+        if self._timed_steps % CALIBRATION_EXPIRY_EVERY == 0:
+            self._expire_stale_corrections()
+
+    def _expire_stale_corrections(self) -> None:
+        """Drop each correction not re-measured over CALIBRATION_STALE_STEPS
+        timed steps, where its table keeps a fresher one."""
+        now = self._timed_steps
+        cost = self.cost
+        for table, ratios, applied, drop in (
+            ("verify", self._verify_log_scale, cost.verify_scale,
+             lambda k: cost.drop_verify_scale(k)),
+            ("plain", self._plain_log_scale, cost.plain_verify_scale,
+             lambda k: cost.drop_verify_scale(k, plain=True)),
+            ("draft", self._draft_log_scale, cost.draft_scale, cost.drop_draft_scale),
+        ):
+            last = self._last_timed[table]
+            stale = [k for k, t in last.items() if now - t > CALIBRATION_STALE_STEPS]
+            if not stale or not any(k in applied for k in last.keys() - set(stale)):
+                continue
+            for k in stale:
+                del last[k]
+                ratios.pop(k, None)
+                drop(k)
 
     def observe_step_period(self, depth: int, num_reqs: int, ms: float) -> None:
         """A served step's whole period `ms` (depth `depth`, `num_reqs`
@@ -518,6 +558,7 @@ class AdaptiveVerifier:
         scale = _update_scale(self._draft_log_scale, depth, ms / predicted)
         if scale is not None:
             self.cost.set_draft_scale(depth, scale)
+        self._last_timed["draft"][depth] = self._timed_steps
 
     def _best_depth(self, req_ids, num_sampling: int, num_other_tokens: int) -> int:
         R, K = len(req_ids), self.K
