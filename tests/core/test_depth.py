@@ -116,6 +116,7 @@ def test_a_policy_that_drafts_again_explores_at_the_base_interval(monkeypatch):
     # A step where the policy itself drafts (a seeded request's floor would
     # not count), then depth 0 again: the next exploration resets the scale.
     v._best_depth = lambda *a, **k: 1
+    v._zero_run = None  # the remembered run assumes the search answers from its inputs
     assert v.choose_depth(ids, R, R) == 1
     del v._best_depth
     rest = [v.choose_depth(ids, R, R) for _ in range(31)]
@@ -746,3 +747,86 @@ def test_drafting_must_beat_plain_decoding_by_the_entry_margin():
         v.depth_entry_margin = 0.0
         assert v._search_depth(rows, 1, 1) == d_plain
         v.depth_entry_margin = DEPTH_ENTRY_MARGIN
+
+
+def _zero_run_scenario(v: AdaptiveVerifier, seed: int, steps: int = 3000) -> list[int]:
+    """Depths of `steps` steps where the batch, the costs and the prior keep
+    changing: the request count moves among three sizes, prompts now and
+    then defer exploration, a seeded request floors the depth at K, cost
+    corrections make drafting cheap or dear, and drafting steps observe
+    random outcomes (which move the prior). Seeded: the same seed drives
+    two verifiers through the same events."""
+    rng = np.random.default_rng(seed)
+    v.cost.free_zero_depth = True  # depth 0 skips the drafter, as served on V2
+    R = 16
+    out = []
+    for _ in range(steps):
+        u = rng.random()
+        if u < 0.01:
+            R = int(rng.choice([4, 16, 40]))
+        elif u < 0.02:
+            depth, factor = int(rng.integers(1, K + 1)), float(rng.choice([1e-3, 1.0, 30.0, 30.0]))
+            v.cost.set_draft_scale(depth, factor)
+        elif u < 0.025:
+            v.depth_entry_margin = float(rng.choice([0.0, 0.03]))
+        ids = _ids(R)
+        may_explore = bool(rng.random() > 0.05)
+        min_depth = K if rng.random() < 0.01 else 0
+        d = v.choose_depth(ids, R, R, min_depth=min_depth, may_explore=may_explore)
+        out.append(d)
+        if d:
+            admitted = v.admit(ids, torch.full((R, K), float(rng.normal(1.0, 1.0))),
+                               np.full(R, d), R, R)
+            v.begin_step()
+            v.observe(ids, admitted, np.minimum(admitted, rng.integers(0, 3, size=R)))
+    return out
+
+
+def _reference_choice(v: AdaptiveVerifier) -> AdaptiveVerifier:
+    """`v` with no remembered depth-0 run: every step takes the full path."""
+    full = v.choose_depth
+
+    def choose(*args, **kwargs):
+        v._zero_run = None
+        return full(*args, **kwargs)
+
+    v.choose_depth = choose
+    return v
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_remembered_depth_zero_run_answers_as_the_full_path(monkeypatch, seed):
+    """A run of depth-0 steps answers 0 without the search while its key,
+    the prior and the exploration counter allow (`_keep_zero_run`): over
+    steps where the batch, the floor, exploration, the costs and the prior
+    change, every depth equals the full path's, step by step, and the search
+    runs on far fewer steps. Deterministic (seeded events, no sampling)."""
+    searches = _count_calls(monkeypatch, "_best_depth")
+    fast = _zero_run_scenario(_costly_drafter(draft_ms=5.0), seed)
+    fast_searches = len(searches)
+    searches.clear()
+    full = _zero_run_scenario(_reference_choice(_costly_drafter(draft_ms=5.0)), seed)
+    print(f"seed {seed}: depth 0 on {fast.count(0)} of {len(fast)} steps, "
+          f"{sum(d not in (0, K) for d in fast)} steps drafted by choice, "
+          f"searches {fast_searches} against {len(searches)}")
+    assert fast == full
+    assert fast.count(0) > 0.1 * len(fast)  # runs of depth 0 ...
+    assert any(0 < d < K for d in fast)  # ... and cost corrections that made drafting pay
+    # Most depth-0 steps answered from the remembered run.
+    assert len(searches) - fast_searches > 0.7 * fast.count(0)
+
+
+def test_a_zero_run_keyed_without_the_costs_misses_a_correction(monkeypatch):
+    """Negative control for the test above: a remembered run whose key
+    leaves out the costs' version keeps answering 0 after a correction that
+    makes drafting pay, and the depths part from the full path's."""
+    original = AdaptiveVerifier._zero_run_key
+
+    def without_version(self, *args):
+        key = original(self, *args)
+        return key[:6] + key[7:]
+
+    monkeypatch.setattr(AdaptiveVerifier, "_zero_run_key", without_version)
+    fast = _zero_run_scenario(_costly_drafter(draft_ms=5.0), 0)
+    full = _zero_run_scenario(_reference_choice(_costly_drafter(draft_ms=5.0)), 0)
+    assert fast != full

@@ -339,6 +339,9 @@ class AdaptiveVerifier:
         # The last depth-0-regime choice and what it was computed from.
         self._zero_depth_memo = None
         self._explore_memo = None
+        # A run of depth-0 steps whose inputs are unchanged (`_zero_run_key`):
+        # (the exploration counter at which the run ends, key, prior).
+        self._zero_run = None
         self.stats = VerifierStats(
             last_depth=self.K,
             predicted=np.zeros(self.K), observed=np.zeros(self.K), labelled=np.zeros(self.K),
@@ -386,6 +389,16 @@ class AdaptiveVerifier:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
         self._since_plain_probe += 1
+        run = self._zero_run
+        if run is not None:
+            key = self._zero_run_key(R, num_sampling, num_other_tokens, min_depth, may_explore)
+            if self._since_explore < run[0] and run[1] == key and run[2] is self._prior_host():
+                # What the search below would answer (see `_keep_zero_run`).
+                if self.counts_depths:
+                    record_depth(self.stats, 0, K)
+                return 0
+        was_zero = self._last_depth == 0
+        searched = False
         if self._explore_due(R, num_other_tokens, may_explore):
             self._since_explore, d = 0, K
             self._back_off_exploration()
@@ -393,13 +406,42 @@ class AdaptiveVerifier:
             d = 0
         else:
             d = self._best_depth(req_ids, num_sampling, num_other_tokens)
+            searched = True
             if d > 0:  # the policy's own choice, before any floor
                 self._drafted_since_explore = True
         d = int(min(max(d, min_depth), K))
         self._last_depth = d
+        self._zero_run = None
+        if searched and was_zero and d == 0:
+            self._keep_zero_run(R, num_sampling, num_other_tokens, min_depth, may_explore)
         if self.counts_depths:
             record_depth(self.stats, d, K)
         return d
+
+    def _zero_run_key(self, R: int, num_sampling: int, num_other_tokens: int, min_depth: int,
+                      may_explore: bool) -> tuple:
+        """Everything a depth-0 step's choice reads besides the prior and
+        the exploration counter: the batch's counts, the floor, the costs
+        (`_costs_stamp`), the entry margin and the row map's version."""
+        cost = self.cost
+        return (R, num_sampling, num_other_tokens, min_depth <= 0, may_explore, cost,
+                cost.version, cost.free_zero_depth, cost.zero_depth_forward,
+                self.depth_entry_margin, self.row_calibration.version)
+
+    def _keep_zero_run(self, R: int, num_sampling: int, num_other_tokens: int, min_depth: int,
+                       may_explore: bool) -> None:
+        """After a step that searched from depth 0 and chose 0: the steps
+        that follow with the same key and prior would each search the same
+        rows (every row is the prior after a step that drafted nothing,
+        `_best_depth`) and find 0, with no plain probe (those follow a
+        drafting step only), until exploration is due. Remember when that
+        is, so that they answer 0 without the search: under load most steps
+        are such steps, and the scheduler asks on every one."""
+        floor = max(EXPLORE_MIN_INTERVAL, R // 2)
+        interval = self._explore_interval(R, num_other_tokens) * self._explore_scale
+        due = max(floor, interval if may_explore else 2 * interval)
+        self._zero_run = (due, self._zero_run_key(R, num_sampling, num_other_tokens, min_depth,
+                                                  may_explore), self._prior_host())
 
     def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:
         """Whether this step explores: its interval has passed and the step

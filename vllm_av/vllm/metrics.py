@@ -77,9 +77,12 @@ def write_snapshot(directory: str, verifier, rank: int = 0, extra: dict | None =
 
 def _write(directory: str, rank: int, snap: dict) -> None:
     os.makedirs(directory, exist_ok=True)
+    # json.dumps encodes in C; json.dump to a file runs the pure-Python
+    # encoder, holding the GIL that the engine's thread needs for longer.
+    text = json.dumps(snap)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(snap, f)
+        f.write(text)
     os.replace(tmp, os.path.join(directory, SNAPSHOT_NAME.format(rank=rank)))
 
 

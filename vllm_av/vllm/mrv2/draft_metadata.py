@@ -91,8 +91,10 @@ def target_attention_groups(attn_groups, draft_layers: set[str]) -> list | None:
     return kept
 
 
-def _groups_key(attn_groups) -> tuple:
-    return tuple(tuple(map(id, per_kv)) for per_kv in attn_groups)
+def _groups_key(attn_groups) -> list:
+    """The group objects' ids per KV cache group (list comprehensions: no
+    frame of their own on Python 3.12, and this runs every step)."""
+    return [[id(g) for g in per_kv] for per_kv in attn_groups]
 
 
 def groups_to_build(model_state, attn_groups):

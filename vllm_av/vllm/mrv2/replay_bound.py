@@ -91,6 +91,9 @@ class MRV2ReplayBoundPatch(VllmPatch):
             serves = self._vllm_av_replay_bound = (
                 getattr(self, "pcp_manager", None) is None
                 and av_options_of(self.vllm_config) is not None)
-        if serves:
+        # A uniform graph, or no graph with a bound (eager, piecewise): the
+        # step keeps its own bound, with no call (this runs every step).
+        if (serves and batch_desc.uniform_token_count is None
+                and batch_desc.max_query_len is not None):
             batch.max_query_len = replay_bound(batch_desc, batch.max_query_len)
         return batch
