@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import pstats
+import statistics
 import sys
 
 # vLLM functions whose work per step is the same with or without a
@@ -64,6 +65,30 @@ def speed_factor(base: dict, base_steps: int, other: dict, other_steps: int) -> 
     return total(other, other_steps) / b if b > 0 else 1.0
 
 
+def equal_work_ratio(base_rows: dict, other_rows: dict, min_us: float = 3.0,
+                     calls_tolerance: float = 0.02) -> dict:
+    """Other's own time over base's, function by function, over the
+    functions both groups call equally often per step (within
+    `calls_tolerance`) with at least `min_us` us of own time per step in
+    the base: the same work, so their ratio is how fast each group's
+    processes ran it. The median and the time-weighted ratio, and how many
+    functions."""
+    ratios, base_us, other_us = [], 0.0, 0.0
+    for k, (calls, own) in base_rows.items():
+        o = other_rows.get(k)
+        if o is None or calls < 0.5 or own * 1e6 < min_us:
+            continue
+        if abs(o[0] - calls) > calls_tolerance * calls:
+            continue
+        ratios.append(o[1] / own)
+        base_us += own
+        other_us += o[1]
+    if not ratios:
+        return {"functions": 0, "median": 1.0, "weighted": 1.0}
+    return {"functions": len(ratios), "median": statistics.median(ratios),
+            "weighted": other_us / base_us}
+
+
 def per_function(table: dict, steps: int) -> tuple[dict, dict]:
     """plain_key -> [calls, own seconds] per step (builtins of several
     addresses pooled), and plain_key -> a label."""
@@ -91,6 +116,7 @@ def compare(base_paths: list[str], other_paths: list[str], top: int = 30) -> dic
                       names[k]) for k in set(base_rows) | set(other_rows)), reverse=True)
     return {
         "steps": [bs, os_], "speed_factor": factor,
+        "equal_work": equal_work_ratio(base_rows, other_rows),
         "own_us_per_step": [sum(v[2] for v in base.values()) / bs * 1e6,
                             sum(v[2] for v in other.values()) / os_ * 1e6],
         "only_other_us_per_step": sum(r[0] for r in only),
@@ -111,6 +137,9 @@ def main() -> int:
     print(f"steps {out['steps'][0]} / {out['steps'][1]}; own time per step "
           f"{out['own_us_per_step'][0]:.0f} / {out['own_us_per_step'][1]:.0f} us under the "
           f"profiler; speed factor on vLLM's output code {out['speed_factor']:.3f}")
+    eq = out["equal_work"]
+    print(f"the same work (functions called equally often, {eq['functions']} of them): other's "
+          f"own time over base's, median {eq['median']:.3f}, time-weighted {eq['weighted']:.3f}")
     print(f"functions only the other group calls: {out['only_other_us_per_step']:.1f} us "
           "of own time per step")
     for r in out["only_other"]:

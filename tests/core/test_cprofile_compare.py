@@ -50,3 +50,22 @@ def test_files_of_one_group_are_pooled(tmp_path):
     b = _write(tmp_path / "b.pstats", {OUTPUT: (300, 0.15)}, 300)
     table, steps = cprofile_compare.load([a, b])
     assert steps == 400 and table[OUTPUT][1] == 400
+
+
+def test_the_same_work_reads_how_fast_each_group_ran_it(tmp_path):
+    """`equal_work`: over functions both groups call equally often, other's
+    own time over base's; functions called more often in one group, or too
+    short to time, are left out. Negative control: with the other group's
+    forward called twice as often, the forward drops out of the ratio."""
+    base = _write(tmp_path / "base.pstats", {OUTPUT: (100, 0.05), FORWARD: (100, 0.2)}, 100)
+    other = _write(tmp_path / "other.pstats",
+                   {OUTPUT: (100, 0.06), FORWARD: (100, 0.22), OURS: (100, 0.003)}, 100)
+    # `_write` gives both the scheduler's schedule at 1 ms per step.
+    eq = cprofile_compare.compare([base], [other])["equal_work"]
+    assert eq["functions"] == 3
+    assert abs(eq["median"] - 1.1) < 1e-9  # of 1.0 (schedule), 1.1 and 1.2
+    assert abs(eq["weighted"] - 0.38 / 0.35) < 1e-9
+    twice = _write(tmp_path / "twice.pstats",
+                   {OUTPUT: (100, 0.06), FORWARD: (200, 0.44)}, 100)
+    eq = cprofile_compare.compare([base], [twice])["equal_work"]
+    assert eq["functions"] == 2 and abs(eq["median"] - 1.1) < 1e-9  # 1.0 and 1.2
