@@ -90,16 +90,17 @@ def test_exploration_drafts_full_depth_every_max_8_or_half_the_batch_steps(
 
 def test_explorations_that_change_nothing_back_off_to_a_bounded_interval(monkeypatch):
     """Drafting never pays: after the first exploration each one doubles
-    the next interval (8, 16, 32, 64 steps), then it stays at
-    EXPLORE_BACKOFF_MAX times the base. Without the backoff they would
-    come every 8 steps."""
+    the next interval (8, 16, 32, ... steps), then it stays at
+    EXPLORE_BACKOFF_MAX times the base (32: 256 steps). Without the
+    backoff they would come every 8 steps."""
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_MAX_TIME_SHARE", float("inf"))
     monkeypatch.setattr("vllm_av.core.verifier.EXPLORE_HOPELESS_TIME_SHARE", float("inf"))
-    depths = _depths(_verifier(draft_ms=1e6), 4, 8 + 8 + 16 + 32 + 64 + 64 + 64)
+    want = [8, 8, 16, 32, 64, 128, 256, 256, 256]
+    depths = _depths(_verifier(draft_ms=1e6), 4, sum(want))
     full = [i + 1 for i, d in enumerate(depths) if d == K]
     gaps = np.diff([0] + full).tolist()
-    assert gaps == [8, 8, 16, 32, 64, 64, 64]
-    assert EXPLORE_BACKOFF_MAX == 8
+    assert gaps == want
+    assert EXPLORE_BACKOFF_MAX == 32
 
 
 def test_a_policy_that_drafts_again_explores_at_the_base_interval(monkeypatch):

@@ -183,12 +183,18 @@ EXPLORE_MAX_TIME_SHARE = 0.05
 EXPLORE_HOPELESS_TIME_SHARE = 0.01
 # ... and each exploration after which the policy went on choosing depth 0
 # until the next one doubles the interval that follows, up to this factor
-# (the time share then falls to 5% / 8, or 1% / 8); the first step the
+# (the time share then falls to 5% / 32, or 1% / 32); the first step the
 # policy chooses to draft resets it. Where drafting does not pay (the
-# Qwen2.5-Coder pair on the H200: depth 0 on 99% of steps, the rest
-# explorations) exploring is a cost on every step; a drafter that starts
-# to pay is still noticed, up to this many times later.
-EXPLORE_BACKOFF_MAX = 8
+# Qwen2.5-Coder pair on the H200 and the H100: depth 0 on 99% of steps,
+# the rest explorations) exploring is a cost on every step: on the H100 a
+# batch with exploring steps had a 9.5-18.6 ms longer GPU span than one
+# without, and half the batches had them at a cap of 8. A drafter that
+# starts to pay is still noticed, up to this many times later: in trace
+# replays with the H100's costs, a cap of 32 against 8 cut exploring from
+# 0.64% / 0.47% of the time to 0.20% / 0.14% at 1 / 64 requests, and
+# noticed a change to well-accepted drafts 1.1-16 s after it against
+# 0.3-4.9 s (benchmarks/exploration_backoff.py).
+EXPLORE_BACKOFF_MAX = 32
 # A drafting depth above 0 is chosen only where its expected rate beats
 # plain decoding's by this share. Near break-even the choice rests on one
 # step's stale rows, whose mean acceptance moves by a few percent from step
