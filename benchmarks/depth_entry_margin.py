@@ -155,16 +155,11 @@ def main() -> None:
     ap.add_argument("--explore-share", type=float,
                     help="what-if: the share of time ours' depth policy may spend exploring "
                          "(EXPLORE_MAX_TIME_SHARE in vllm_av/core/verifier.py, default 0.05)")
-    ap.add_argument("--explore-backoff-max", type=int,
-                    help="what-if: the largest factor on the exploration interval while "
-                         "explorations leave the policy at depth 0 (EXPLORE_BACKOFF_MAX)")
     args = ap.parse_args()
-    import vllm_av.core.verifier as verifier
-
     if args.explore_share is not None:
+        import vllm_av.core.verifier as verifier
+
         verifier.EXPLORE_MAX_TIME_SHARE = args.explore_share
-    if args.explore_backoff_max is not None:
-        verifier.EXPLORE_BACKOFF_MAX = args.explore_backoff_max
     torch.set_num_threads(1)
     datasets = [d for d in ("mtbench", "humaneval") if (args.traces / f"traces_{d}.npz").exists()]
     if not datasets:
@@ -193,7 +188,6 @@ def main() -> None:
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
             "steps": args.steps, "seeds": seeds, "margin": DEPTH_ENTRY_MARGIN,
             "explore_share": args.explore_share,
-            "explore_backoff_max": verifier.EXPLORE_BACKOFF_MAX,
             "seconds": round(time.time() - t0, 1), "rows": rows}, indent=1))
         print(f"wrote {args.out}")
 

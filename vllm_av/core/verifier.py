@@ -395,9 +395,9 @@ class AdaptiveVerifier:
             return max(min_depth, 0)  # nothing decodes: drafts are discarded anyway
         self._since_explore += 1
         self._since_plain_probe += 1
+        key = self._zero_run_key(R, num_sampling, num_other_tokens, min_depth, may_explore)
         run = self._zero_run
         if run is not None:
-            key = self._zero_run_key(R, num_sampling, num_other_tokens, min_depth, may_explore)
             if self._since_explore < run[0] and run[1] == key and run[2] is self._prior_host():
                 # What the search below would answer (see `_keep_zero_run`).
                 if self.counts_depths:
@@ -419,7 +419,7 @@ class AdaptiveVerifier:
         self._last_depth = d
         self._zero_run = None
         if searched and was_zero and d == 0:
-            self._keep_zero_run(R, num_sampling, num_other_tokens, min_depth, may_explore)
+            self._keep_zero_run(R, num_other_tokens, may_explore, key)
         if self.counts_depths:
             record_depth(self.stats, d, K)
         return d
@@ -429,13 +429,11 @@ class AdaptiveVerifier:
         """Everything a depth-0 step's choice reads besides the prior and
         the exploration counter: the batch's counts, the floor, the costs
         (`_costs_stamp`), the entry margin and the row map's version."""
-        cost = self.cost
-        return (R, num_sampling, num_other_tokens, min_depth <= 0, may_explore, cost,
-                cost.version, cost.free_zero_depth, cost.zero_depth_forward,
-                self.depth_entry_margin, self.row_calibration.version)
+        return (R, num_sampling, num_other_tokens, min_depth <= 0, may_explore,
+                *self._costs_stamp(), self.depth_entry_margin, self.row_calibration.version)
 
-    def _keep_zero_run(self, R: int, num_sampling: int, num_other_tokens: int, min_depth: int,
-                       may_explore: bool) -> None:
+    def _keep_zero_run(self, R: int, num_other_tokens: int, may_explore: bool,
+                       key: tuple) -> None:
         """After a step that searched from depth 0 and chose 0: the steps
         that follow with the same key and prior would each search the same
         rows (every row is the prior after a step that drafted nothing,
@@ -446,8 +444,7 @@ class AdaptiveVerifier:
         floor = max(EXPLORE_MIN_INTERVAL, R // 2)
         interval = self._explore_interval(R, num_other_tokens) * self._explore_scale
         due = max(floor, interval if may_explore else 2 * interval)
-        self._zero_run = (due, self._zero_run_key(R, num_sampling, num_other_tokens, min_depth,
-                                                  may_explore), self._prior_host())
+        self._zero_run = (due, key, self._prior_host())
 
     def _explore_due(self, R: int, num_other_tokens: int, may_explore: bool) -> bool:
         """Whether this step explores: its interval has passed and the step
