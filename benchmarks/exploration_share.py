@@ -40,6 +40,36 @@ def exploration_share(paths: list[Path], arm: str) -> dict:
     return out
 
 
+def exploring_gpu_span(paths: list[Path], arm: str) -> dict:
+    """Per concurrency and engine (runs named `arm...`, side_by_side.py
+    --gpu-spans): the mean GPU span per step of the batches with an
+    exploring step and of those without, and the difference per batch
+    (ms per step times the batch's steps). An engine's batches run the
+    same prompts, so the difference is what its exploring steps added."""
+    out: dict = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for conc, block in data["by_concurrency"].items():
+            for name, runs in block["runs"].items():
+                if not name.startswith(arm):
+                    continue
+                spans = {True: [], False: []}
+                for run in runs:
+                    span = run["phases"].get("gpu_span")
+                    if span is not None:
+                        spans["propose" in run["phases"]].append((span["ms_per_step"],
+                                                                  run["steps"]))
+                if not spans[True] or not spans[False]:
+                    continue
+                with_, without = (statistics.mean(ms for ms, _ in spans[k]) for k in (True, False))
+                steps = statistics.mean(n for _, n in spans[True])
+                out.setdefault(conc, {})[f"{path.name}:{name}"] = {
+                    "with_ms_per_step": with_, "without_ms_per_step": without,
+                    "batches": [len(spans[True]), len(spans[False])],
+                    "extra_ms_per_exploring_batch": (with_ - without) * steps}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("paths", nargs="+", type=Path)
@@ -47,11 +77,17 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = {"sources": [str(p) for p in args.paths], "arm": args.arm,
-              "by_concurrency": exploration_share(args.paths, args.arm)}
+              "by_concurrency": exploration_share(args.paths, args.arm),
+              "gpu_span": exploring_gpu_span(args.paths, args.arm)}
     for conc, row in result["by_concurrency"].items():
         print(f"C={conc}: {row['exploring_batches']} of {row['batches']} batches explored; "
               f"the drafter's host time {100 * row['mean_share']:.2f}% of ours' step time "
               f"(at most {100 * row['max_share']:.2f}% in one batch)")
+    for conc, engines in result["gpu_span"].items():
+        for name, row in engines.items():
+            print(f"C={conc} {name}: GPU span {row['with_ms_per_step']:.3f} ms per step in "
+                  f"batches with an exploring step, {row['without_ms_per_step']:.3f} without: "
+                  f"{row['extra_ms_per_exploring_batch']:.1f} ms more per exploring batch")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

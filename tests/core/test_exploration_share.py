@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from exploration_share import exploration_share  # noqa: E402
+from exploration_share import exploration_share, exploring_gpu_span  # noqa: E402
 
 
 def _run(ms_per_step: float, propose_ms: float | None) -> dict:
@@ -35,3 +35,29 @@ def test_shares_count_only_ours_and_exploring_batches(tmp_path):
     assert out["16"]["mean_share"] == pytest.approx(0.01 / 3)
     assert out["16"]["max_share"] == pytest.approx(0.01)
     assert out["1"]["exploring_batches"] == 0 and out["1"]["mean_share"] == 0.0
+
+
+def _spanned(span_ms: float, explores: bool, steps: int = 100) -> dict:
+    run = _run(2.0, 0.02 if explores else None)
+    run["phases"]["gpu_span"] = {"calls": steps, "ms_per_step": span_ms}
+    run["steps"] = steps
+    return run
+
+
+def test_exploring_batches_gpu_span_is_read_per_engine(tmp_path):
+    """An engine's batches with exploring steps against its batches without:
+    the extra GPU time per exploring batch. Engines are kept apart (the
+    twin's slower batches do not enter ours'), and an engine with no batch
+    of one kind gives no row. Negative control: pooling the twin's batches
+    into ours' engine would read 0.5 ms more per step, not 0.1."""
+    data = {"by_concurrency": {"1": {"runs": {
+        "ours_served": [_spanned(2.1, True), _spanned(2.0, False), _spanned(2.0, False)],
+        "ours_served_twin": [_spanned(2.6, False)],
+        "nospec": [_spanned(9.0, True), _spanned(1.0, False)]}}}}
+    path = tmp_path / "side_by_side.json"
+    path.write_text(json.dumps(data))
+    out = exploring_gpu_span([path], "ours_served")["1"]
+    assert list(out) == ["side_by_side.json:ours_served"]
+    row = out["side_by_side.json:ours_served"]
+    assert row["batches"] == [1, 2]
+    assert row["extra_ms_per_exploring_batch"] == pytest.approx(0.1 * 100)
