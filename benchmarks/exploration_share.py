@@ -10,6 +10,11 @@ host time (`propose`, timed in every engine) over the batch's step time is
 that exploration's share of the batch; the verification of its drafts is
 not in it. Per concurrency, over every batch of every engine of each arm
 whose name starts with `--arm`.
+
+What a depth-0 step costs beyond a plain one (`depth0_step_cost`): per
+file (a sitting) and concurrency, the mean over ours' engines of their
+batches without an exploring step, less the mean over `--base`'s engines
+of all their batches, for the step and each host phase and the GPU span.
 """
 from __future__ import annotations
 
@@ -70,15 +75,61 @@ def exploring_gpu_span(paths: list[Path], arm: str) -> dict:
     return out
 
 
+def _engine_means(runs: list[dict], keep) -> dict | None:
+    """One engine's mean ms per step and per phase over its batches that
+    `keep` accepts (None without any)."""
+    kept = [r for r in runs if keep(r)]
+    if not kept:
+        return None
+    out = {"step": statistics.mean(r["ms_per_step"] for r in kept)}
+    for phase in DEPTH0_PHASES:
+        vals = [r["phases"][phase]["ms_per_step"] for r in kept if phase in r["phases"]]
+        if len(vals) == len(kept):
+            out[phase] = statistics.mean(vals)
+    return out
+
+
+DEPTH0_PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output", "gpu_span")
+
+
+def depth0_step_cost(paths: list[Path], arm: str, base: str) -> dict:
+    """Per file and concurrency: ours' engines' mean over their batches
+    without an exploring step, less `base`'s engines' mean over all their
+    batches (ms per step; each engine weighs the same)."""
+    out: dict = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for conc, block in data["by_concurrency"].items():
+            groups: dict[str, list[dict]] = {arm: [], base: []}
+            for name, runs in block["runs"].items():
+                if name.startswith(arm):
+                    means = _engine_means(runs, lambda r: "propose" not in r["phases"])
+                    if means is not None:
+                        groups[arm].append(means)
+                elif name.startswith(base):
+                    groups[base].append(_engine_means(runs, lambda r: True))
+            if not groups[arm] or not groups[base]:
+                continue
+            row = {"engines": [len(groups[base]), len(groups[arm])]}
+            for key in ("step", *DEPTH0_PHASES):
+                if all(key in m for g in groups.values() for m in g):
+                    mean = {k: statistics.mean(m[key] for m in g) for k, g in groups.items()}
+                    row[key] = {"base_ms": mean[base], "extra_ms": mean[arm] - mean[base]}
+            out.setdefault(path.name, {})[conc] = row
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("paths", nargs="+", type=Path)
     ap.add_argument("--arm", default="ours_served")
+    ap.add_argument("--base", default="nospec", help="the plain arm (depth0_step_cost)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = {"sources": [str(p) for p in args.paths], "arm": args.arm,
               "by_concurrency": exploration_share(args.paths, args.arm),
-              "gpu_span": exploring_gpu_span(args.paths, args.arm)}
+              "gpu_span": exploring_gpu_span(args.paths, args.arm),
+              "depth0_step_cost": depth0_step_cost(args.paths, args.arm, args.base)}
     for conc, row in result["by_concurrency"].items():
         print(f"C={conc}: {row['exploring_batches']} of {row['batches']} batches explored; "
               f"the drafter's host time {100 * row['mean_share']:.2f}% of ours' step time "
@@ -88,6 +139,13 @@ def main() -> int:
             print(f"C={conc} {name}: GPU span {row['with_ms_per_step']:.3f} ms per step in "
                   f"batches with an exploring step, {row['without_ms_per_step']:.3f} without: "
                   f"{row['extra_ms_per_exploring_batch']:.1f} ms more per exploring batch")
+    for name, concs in result["depth0_step_cost"].items():
+        for conc, row in concs.items():
+            parts = ", ".join(f"{k} {row[k]['extra_ms']:+.3f}" for k in ("step", *DEPTH0_PHASES)
+                              if k in row)
+            print(f"C={conc} {name}: ours' batches without an exploring step less "
+                  f"{args.base}'s, ms per step ({row['engines'][1]} / {row['engines'][0]} "
+                  f"engines; {args.base}'s step {row['step']['base_ms']:.3f}): {parts}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

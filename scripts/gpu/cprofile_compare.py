@@ -134,6 +134,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the comparison as JSON")
     args = ap.parse_args()
     out = compare(args.base, args.other, args.top)
+    if args.out:  # first: a reader that closes the pipe early must not lose it
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
     print(f"steps {out['steps'][0]} / {out['steps'][1]}; own time per step "
           f"{out['own_us_per_step'][0]:.0f} / {out['own_us_per_step'][1]:.0f} us under the "
           f"profiler; speed factor on vLLM's output code {out['speed_factor']:.3f}")
@@ -147,9 +150,6 @@ def main() -> int:
     print("own time per step over the base's scaled by the speed factor:")
     for r in out["scaled_excess"]:
         print(f"  {r['us_per_step']:+7.1f} us  {r['function']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
     return 0
 
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from exploration_share import exploration_share, exploring_gpu_span  # noqa: E402
+from exploration_share import depth0_step_cost, exploration_share, exploring_gpu_span  # noqa: E402
 
 
 def _run(ms_per_step: float, propose_ms: float | None) -> dict:
@@ -61,3 +61,36 @@ def test_exploring_batches_gpu_span_is_read_per_engine(tmp_path):
     row = out["side_by_side.json:ours_served"]
     assert row["batches"] == [1, 2]
     assert row["extra_ms_per_exploring_batch"] == pytest.approx(0.1 * 100)
+
+
+def _phased(step_ms: float, schedule_ms: float, explores: bool) -> dict:
+    run = _run(step_ms, 0.02 if explores else None)
+    run["phases"]["schedule"]["ms_per_step"] = schedule_ms
+    return run
+
+
+def test_depth0_step_cost_leaves_exploring_batches_out(tmp_path, monkeypatch):
+    """Ours' batches without an exploring step against plain V2's batches,
+    each engine weighing the same. Negative control: a variant that keeps
+    ours' exploring batch reads the step +0.55 ms, not +0.15."""
+    data = {"by_concurrency": {"1": {"runs": {
+        "nospec": [_phased(2.0, 0.10, False), _phased(2.2, 0.10, False)],
+        "nospec_twin": [_phased(2.4, 0.12, False)],
+        "ours_served": [_phased(2.3, 0.13, False), _phased(3.9, 0.13, True)],
+        "ours_served_twin": [_phased(2.5, 0.15, False)]}}}}
+    path = tmp_path / "side_by_side.json"
+    path.write_text(json.dumps(data))
+    row = depth0_step_cost([path], "ours_served", "nospec")["side_by_side.json"]["1"]
+    assert row["engines"] == [2, 2]
+    # plain V2: engines 2.1 and 2.4 -> 2.25; ours: 2.3 and 2.5 -> 2.4
+    assert row["step"]["base_ms"] == pytest.approx(2.25)
+    assert row["step"]["extra_ms"] == pytest.approx(0.15)
+    assert row["schedule"]["extra_ms"] == pytest.approx(0.03)
+    assert "gpu_span" not in row  # not timed in these batches
+
+    import exploration_share as module
+    keep_all = module._engine_means
+    monkeypatch.setattr(module, "_engine_means", lambda runs, keep: keep_all(runs, lambda r: True))
+    broken = depth0_step_cost([path], "ours_served", "nospec")["side_by_side.json"]["1"]
+    assert broken["step"]["extra_ms"] == pytest.approx(0.55)
+    assert broken["step"]["extra_ms"] != pytest.approx(row["step"]["extra_ms"])
