@@ -209,6 +209,59 @@ def install_gc_timer(worker) -> bool:
     return True
 
 
+def install_step_probe(worker, every: int, n: int, specs: list[str] | None = None) -> bool:
+    """(In the engine process, after `install_timers`.) Before every
+    `every`-th step (a call of the runner's `execute_model`, STEP_PHASE, or
+    of `specs`), time `_python_workload(n)` on the thread that steps: the
+    process's Python speed while it serves, with its other threads, its GPU
+    work in flight and its state as a step finds them, where `python_speed`
+    reads it between batches. Its calls and ms go to phase `py_probe` of
+    the totals (and into the step's wall time, alike in every arm).
+    Returns False where it was already installed or no method exists."""
+    import functools
+    import time as _time
+
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    from method_spec import resolve_method
+
+    state = worker._side_by_side
+    if state.get("step_probe") or every < 1:
+        return False
+    totals, count, wrapped = state["totals"], [0], []
+    for spec in specs or PHASES[STEP_PHASE]:
+        found = resolve_method(spec)
+        if found is None:
+            continue
+        cls, meth, orig = found
+
+        def make(orig=orig):
+            @functools.wraps(orig)
+            def probed(*a, **k):
+                count[0] += 1
+                if count[0] % every == 0:
+                    t0 = _time.perf_counter()
+                    _python_workload(n)
+                    slot = totals.setdefault("py_probe", [0, 0.0])
+                    slot[0] += 1
+                    slot[1] += (_time.perf_counter() - t0) * 1e3
+                return orig(*a, **k)
+            return probed
+
+        setattr(cls, meth, make())
+        wrapped.append(spec)
+    state["step_probe"] = wrapped
+    return bool(wrapped)
+
+
+def probe_ms(run: dict) -> float | None:
+    """ms of one in-step probe in a batch (`install_step_probe`), or None."""
+    phase = run["phases"].get("py_probe")
+    if not phase or not phase.get("calls"):
+        return None
+    return phase["ms_per_step"] * run["steps"] / phase["calls"]
+
+
 def _python_workload(n: int) -> int:
     """A fixed piece of pure Python in the shape of the scheduler's work
     (small objects, attribute and dict access, short calls, list appends)."""
@@ -574,6 +627,8 @@ def build_engine(name: str, args, device: str):
     wrapped = llm.collective_rpc(install_timers,
                                  args=(PHASES, SPAN if args.gpu_spans else None))[0]
     llm.collective_rpc(install_gc_timer)
+    if args.step_probe:
+        llm.collective_rpc(install_step_probe, args=(args.step_probe, args.step_probe_size))
     cpus = llm.collective_rpc(cpu_affinity)[0]
     print(f"[{name}] started in {start_s:.0f} s on {len(cpus)} CPUs; timers on {wrapped}",
           flush=True)
@@ -771,6 +826,9 @@ def engines_step_ms(runs: dict, members: list[str]) -> dict:
         row = {"step": statistics.median(r["ms_per_step"] for r in runs[a])}
         row.update({p: statistics.median(r["phases"].get(p, {}).get("ms_per_step", 0.0)
                                          for r in runs[a]) for p in phases})
+        probes = [probe_ms(r) for r in runs[a]]
+        if probes and all(p is not None for p in probes):  # ms of one in-step probe
+            row["py_probe_call"] = statistics.median(probes)
         if all("python_speed" in r for r in runs[a]):  # ms of the fixed workload
             row["python"] = statistics.median(r["python_speed"]["ms"] for r in runs[a])
             if all("gc_tracked" in r["python_speed"] for r in runs[a]):
@@ -1039,6 +1097,13 @@ def main() -> None:
                    help="after each batch, time a fixed pure-Python workload in the "
                         "engine process (`python_speed`): each engine's Python speed "
                         "beside its steps, and what could slow its every frame")
+    p.add_argument("--step-probe", type=int, default=0, metavar="N",
+                   help="every N steps, time a fixed pure-Python workload on the "
+                        "stepping thread before the step's execute_model (`install_step_probe`): "
+                        "each engine's Python speed while it serves, as phase py_probe "
+                        "(its time is in every arm's steps alike)")
+    p.add_argument("--step-probe-size", type=int, default=1000,
+                   help="the in-step workload's size (`_python_workload`'s n)")
     p.add_argument("--cpus", default="",
                    help="run this driver and every engine process on these CPUs only "
                         "(e.g. 0-7; the engines inherit it), so that each engine steps on "

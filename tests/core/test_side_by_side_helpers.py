@@ -11,6 +11,8 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
 
 import side_by_side  # noqa: E402
@@ -644,3 +646,40 @@ def test_sittings_pool_by_engine_too(tmp_path):
     row = pooled["by_concurrency"][16]["ours_over_nospec_by_engine"]
     want = side_by_side.by_engine([([100.0, 104.0], [98.0, 100.0]), ([50.0, 52.0], [51.0, 49.0])])
     assert row == want
+
+
+def test_step_probe_times_the_workload_every_nth_step_outside_the_phase():
+    """Every third step runs the fixed workload first: two probes in seven
+    calls, their time in `py_probe` and not in the timed phase (the
+    control: the phase, a no-op, takes far less than the probes)."""
+    class Sched:
+        def schedule(self):
+            return "scheduled"
+
+    module = types.ModuleType("fake_sched_for_step_probe")
+    module.Sched = Sched
+    sys.modules["fake_sched_for_step_probe"] = module
+    spec = "fake_sched_for_step_probe:Sched.schedule"
+    worker = SimpleNamespace()
+    side_by_side.install_timers(worker, {"schedule": [spec]})
+    assert side_by_side.install_step_probe(worker, 3, 20_000, specs=[spec])
+    assert not side_by_side.install_step_probe(worker, 3, 20_000, specs=[spec])  # once
+    sched = Sched()
+    assert [sched.schedule() for _ in range(7)] == ["scheduled"] * 7
+    totals = side_by_side.take_totals(worker)
+    assert totals["schedule"][0] == 7
+    calls, ms = totals["py_probe"]
+    assert calls == 2 and ms > 0.0
+    assert totals["schedule"][1] < ms / 4
+    run = {"steps": 7, "phases": {"py_probe": {"calls": calls, "ms_per_step": ms / 7}}}
+    assert side_by_side.probe_ms(run) == pytest.approx(ms / 2)
+    assert side_by_side.probe_ms({"steps": 7, "phases": {}}) is None
+    run["ms_per_step"] = 1.0
+    assert side_by_side.engines_step_ms({"a": [run]}, ["a"])["py_probe_call"] == \
+        pytest.approx(ms / 2)
+    # Off (N < 1) or on a method that does not exist: nothing installed.
+    other = SimpleNamespace()
+    side_by_side.install_timers(other, {})
+    assert not side_by_side.install_step_probe(other, 0, 10, specs=[spec])
+    assert not side_by_side.install_step_probe(
+        other, 3, 10, specs=["fake_sched_for_step_probe:Sched.nothing"])
