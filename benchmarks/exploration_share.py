@@ -24,6 +24,12 @@ import statistics
 from pathlib import Path
 
 
+def explores(run: dict) -> bool:
+    """Whether a batch held an exploring step: its drafter ran (`propose`
+    timed), which at depth 0 only exploration makes it do."""
+    return "propose" in run["phases"]
+
+
 def exploration_share(paths: list[Path], arm: str) -> dict:
     rows: dict[str, list[tuple[float, int]]] = {}
     for path in paths:
@@ -62,7 +68,7 @@ def exploring_gpu_span(paths: list[Path], arm: str) -> dict:
                 for run in runs:
                     span = run["phases"].get("gpu_span")
                     if span is not None:
-                        spans["propose" in run["phases"]].append((span["ms_per_step"],
+                        spans[explores(run)].append((span["ms_per_step"],
                                                                   run["steps"]))
                 if not spans[True] or not spans[False]:
                     continue
@@ -73,6 +79,9 @@ def exploring_gpu_span(paths: list[Path], arm: str) -> dict:
                     "batches": [len(spans[True]), len(spans[False])],
                     "extra_ms_per_exploring_batch": (with_ - without) * steps}
     return out
+
+
+DEPTH0_PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output", "gpu_span")
 
 
 def _engine_means(runs: list[dict], keep) -> dict | None:
@@ -89,9 +98,6 @@ def _engine_means(runs: list[dict], keep) -> dict | None:
     return out
 
 
-DEPTH0_PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output", "gpu_span")
-
-
 def depth0_step_cost(paths: list[Path], arm: str, base: str) -> dict:
     """Per file and concurrency: ours' engines' mean over their batches
     without an exploring step, less `base`'s engines' mean over all their
@@ -103,7 +109,7 @@ def depth0_step_cost(paths: list[Path], arm: str, base: str) -> dict:
             groups: dict[str, list[dict]] = {arm: [], base: []}
             for name, runs in block["runs"].items():
                 if name.startswith(arm):
-                    means = _engine_means(runs, lambda r: "propose" not in r["phases"])
+                    means = _engine_means(runs, lambda r: not explores(r))
                     if means is not None:
                         groups[arm].append(means)
                 elif name.startswith(base):

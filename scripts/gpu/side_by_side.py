@@ -118,6 +118,17 @@ def cuda_events():
     return (lambda: torch.cuda.Event(enable_timing=True)), torch.cuda.synchronize
 
 
+def method_resolver():
+    """(In the engine process.) The benchmarks' method lookup
+    (`method_spec.resolve_method`), imported from this checkout: the
+    installers reach the engine process by value, with no path of theirs."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    from method_spec import resolve_method
+
+    return resolve_method
+
+
 def install_timers(worker, phases: dict, span: tuple | None = None, events=None) -> dict:
     """(In the engine process.) Wrap every method of each phase that this
     vLLM defines (the runner that is not in use never calls its own) with a
@@ -129,12 +140,7 @@ def install_timers(worker, phases: dict, span: tuple | None = None, events=None)
     import functools
     import time as _time
 
-    # This function reaches the engine process by value; the benchmarks'
-    # method lookup is imported there, from this checkout.
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-    from method_spec import resolve_method
-
+    resolve_method = method_resolver()
     if getattr(worker, "_side_by_side", None) is not None:
         return worker._side_by_side["wrapped"]
     totals: dict = {}
@@ -221,10 +227,7 @@ def install_step_probe(worker, every: int, n: int, specs: list[str] | None = Non
     import functools
     import time as _time
 
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-    from method_spec import resolve_method
-
+    resolve_method = method_resolver()
     state = worker._side_by_side
     if state.get("step_probe") or every < 1:
         return False
