@@ -259,7 +259,7 @@ def install_step_probe(worker, every: int, n: int, specs: list[str] | None = Non
 
 def probe_ms(run: dict) -> float | None:
     """ms of one in-step probe in a batch (`install_step_probe`), or None."""
-    phase = run["phases"].get("py_probe")
+    phase = run.get("phases", {}).get("py_probe")
     if not phase or not phase.get("calls"):
         return None
     return phase["ms_per_step"] * run["steps"] / phase["calls"]
@@ -1010,6 +1010,18 @@ def by_engine(sittings: list[tuple[list[float], list[float]]], exact_limit: int 
     return out
 
 
+def engine_probes(runs: dict) -> dict:
+    """{engine: median ms of one in-step probe over its batches}
+    (`--step-probe`), for the engines whose every batch was probed: a
+    process slower while it steps reads higher than its arm's others."""
+    out = {}
+    for arm, batches in runs.items():
+        ms = [probe_ms(r) for r in batches]
+        if ms and all(x is not None for x in ms):
+            out[arm] = statistics.median(ms)
+    return out
+
+
 def pool_sittings(paths: list[str]) -> dict:
     """Per concurrency that every run in `paths` (JSONs of separate sittings,
     each its own engines) has: each group's pooled ratio per repeat over the
@@ -1038,6 +1050,9 @@ def pool_sittings(paths: list[str]) -> dict:
                     (medians(groups[base]), medians(members)))
         row = {k: ratio_summary(v) for k, v in ratios.items() if v}
         row.update({k: e for k, e in ((k, by_engine(v)) for k, v in engines.items()) if e})
+        probes = [engine_probes(runs[c]) for runs in sittings]
+        if any(probes):
+            row["step_probe_ms_by_sitting"] = probes
         out["by_concurrency"][c] = row
     return out
 
@@ -1143,6 +1158,10 @@ def main() -> None:
                           f"{v['engine_sd']:.3f})" if "ci90" in v else "")
                     print(f"[C={c}] {k} {v['ratio']:.3f}{ci}, p_below {v['p_below']:.3f} "
                           f"over {v['labellings']} labellings")
+            for i, probes in enumerate(rows.get("step_probe_ms_by_sitting", [])):
+                if probes:
+                    print(f"[C={c}] sitting {i + 1} in-step probe ms: " + ", ".join(
+                        f"{arm} {ms:.3f}" for arm, ms in probes.items()))
         return
     if args.summarise_log:
         if not os.path.isfile(args.summarise_log):

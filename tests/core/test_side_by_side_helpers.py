@@ -683,3 +683,28 @@ def test_step_probe_times_the_workload_every_nth_step_outside_the_phase():
     assert not side_by_side.install_step_probe(other, 0, 10, specs=[spec])
     assert not side_by_side.install_step_probe(
         other, 3, 10, specs=["fake_sched_for_step_probe:Sched.nothing"])
+
+
+def test_pooled_sittings_show_each_engines_in_step_probe(tmp_path):
+    """Each sitting's engines with their median probe ms, from batches that
+    were all probed; an engine with an unprobed batch is left out, and a
+    pool with no probes at all has no such entry."""
+    def batch(probe_ms, repeat):
+        phases = {} if probe_ms is None else {"py_probe": {"calls": 2, "ms_per_step": probe_ms / 4}}
+        return {"tok_s": 100.0, "repeat": repeat, "steps": 8, "phases": phases}
+
+    def sitting(name, probes):
+        runs = {arm: [batch(ms, r) for r, ms in enumerate(values)]
+                for arm, values in probes.items()}
+        path = tmp_path / name
+        path.write_text(json.dumps({"by_concurrency": {"1": {"runs": runs}}}))
+        return str(path)
+
+    a = sitting("a.json", {"nospec": [0.5, 0.7, 0.6], "ours": [0.9, 0.8, 1.0]})
+    b = sitting("b.json", {"nospec": [0.4, 0.4, 0.4], "ours": [0.6, None, 0.6]})
+    row = side_by_side.pool_sittings([a, b])["by_concurrency"][1]
+    first, second = row["step_probe_ms_by_sitting"]
+    assert first == {"nospec": pytest.approx(0.6), "ours": pytest.approx(0.9)}
+    assert second == {"nospec": pytest.approx(0.4)}
+    plain = sitting("c.json", {"nospec": [None], "ours": [None]})
+    assert "step_probe_ms_by_sitting" not in side_by_side.pool_sittings([plain])["by_concurrency"][1]
