@@ -265,6 +265,15 @@ def probe_ms(run: dict) -> float | None:
     return phase["ms_per_step"] * run["steps"] / phase["calls"]
 
 
+def median_probe_ms(batches: list[dict]) -> float | None:
+    """An engine's median ms of one in-step probe over its batches, or None
+    unless every batch was probed."""
+    ms = [probe_ms(r) for r in batches]
+    if not ms or any(x is None for x in ms):
+        return None
+    return statistics.median(ms)
+
+
 def _python_workload(n: int) -> int:
     """A fixed piece of pure Python in the shape of the scheduler's work
     (small objects, attribute and dict access, short calls, list appends)."""
@@ -829,9 +838,9 @@ def engines_step_ms(runs: dict, members: list[str]) -> dict:
         row = {"step": statistics.median(r["ms_per_step"] for r in runs[a])}
         row.update({p: statistics.median(r["phases"].get(p, {}).get("ms_per_step", 0.0)
                                          for r in runs[a]) for p in phases})
-        probes = [probe_ms(r) for r in runs[a]]
-        if probes and all(p is not None for p in probes):  # ms of one in-step probe
-            row["py_probe_call"] = statistics.median(probes)
+        probe = median_probe_ms(runs[a])
+        if probe is not None:  # ms of one in-step probe
+            row["py_probe_call"] = probe
         if all("python_speed" in r for r in runs[a]):  # ms of the fixed workload
             row["python"] = statistics.median(r["python_speed"]["ms"] for r in runs[a])
             if all("gc_tracked" in r["python_speed"] for r in runs[a]):
@@ -1014,12 +1023,8 @@ def engine_probes(runs: dict) -> dict:
     """{engine: median ms of one in-step probe over its batches}
     (`--step-probe`), for the engines whose every batch was probed: a
     process slower while it steps reads higher than its arm's others."""
-    out = {}
-    for arm, batches in runs.items():
-        ms = [probe_ms(r) for r in batches]
-        if ms and all(x is not None for x in ms):
-            out[arm] = statistics.median(ms)
-    return out
+    medians = {arm: median_probe_ms(batches) for arm, batches in runs.items()}
+    return {arm: ms for arm, ms in medians.items() if ms is not None}
 
 
 def pool_sittings(paths: list[str]) -> dict:
