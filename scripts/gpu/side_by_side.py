@@ -31,7 +31,9 @@ batch per arm under cProfile (host time per function per step) and
 `--kernel-profile C[,C...]` one under torch.profiler (device time per kernel per
 step), each with every arm's difference from the first: where two
 engines' host phases or GPU spans differ, function by function and
-kernel by kernel. `--cpus` confines the driver and every engine to the
+kernel by kernel. `--cprofile-first C[,C...]` profiles a batch before the
+repeats instead, each engine's first full one, so that what an engine
+does once early in its life (its first exploring step) shows by function. `--cpus` confines the driver and every engine to the
 same CPUs (engine processes of one run stepped at host speeds up to 28%
 apart in vLLM's own phases; pinned, identical engines still read 12-16%
 apart, twenty-seventh round). An arm named `<arm>_twin` (or `_twin2`, ...)
@@ -399,16 +401,19 @@ def cprofile_diff(base: dict, other: dict, top: int = 40) -> list:
              "base": base.get(k, zero), "other": other.get(k, zero)} for k, d in diff[:top]]
 
 
-def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path) -> dict:
+def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path,
+                 tag: str = "") -> dict:
     """One more batch per arm under cProfile (the engine's stepping thread):
     own time per function per step, and each arm's difference from the
-    first arm's."""
+    first arm's; the stats in `cprofile_<tag>_<arm>_c<C>.pstats` (no tag:
+    `cprofile_<arm>_c<C>.pstats`)."""
     rows, every = {}, {}
+    prefix = f"cprofile_{tag}_" if tag else "cprofile_"
     for name in arms:
         llm = engines[name]
         llm.collective_rpc(start_cprofile)
         run = run_batch(llm, prompts, args.max_tokens)
-        path = str(out_dir / f"cprofile_{name}_c{len(prompts)}.pstats")
+        path = str(out_dir / f"{prefix}{name}_c{len(prompts)}.pstats")
         llm.collective_rpc(stop_cprofile, args=(path,))
         every[name] = cprofile_rows(path, run["steps"])
         rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"],
@@ -627,8 +632,8 @@ def build_engine(name: str, args, device: str):
         if args.jit_monitor_verbose:
             extra["jit_monitor_verbose"] = True
         llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=max(args.concurrency), seed=0, speculative_config=spec,
-                  generation_config="vllm", **extra, **kwargs)
+                  max_num_seqs=args.max_num_seqs or max(args.concurrency), seed=0,
+                  speculative_config=spec, generation_config="vllm", **extra, **kwargs)
         start_s = time.perf_counter() - t0
     finally:
         for k, v in saved.items():
@@ -1027,32 +1032,55 @@ def engine_probes(runs: dict) -> dict:
     return {arm: ms for arm, ms in medians.items() if ms is not None}
 
 
-def pool_sittings(paths: list[str]) -> dict:
+def keep_batches(by_c: dict, from_repeat: int = 0, no_drafting: bool = False) -> dict:
+    """`runs_from_json`'s batches less those of repeats before
+    `from_repeat` (an engine's first batch holds what it does once, early
+    in its life) and, `no_drafting`, those whose engine drafted."""
+    return {c: {arm: [r for r in runs if r["repeat"] >= from_repeat
+                      and not (no_drafting and drafted(r))]
+                for arm, runs in arms.items()}
+            for c, arms in by_c.items()}
+
+
+def pool_sittings(paths: list[str], base: str | None = None, from_repeat: int = 0,
+                  no_drafting: bool = False) -> dict:
     """Per concurrency that every run in `paths` (JSONs of separate sittings,
     each its own engines) has: each group's pooled ratio per repeat over the
-    first group's, the repeats of all sittings together (each sitting's
+    base group's, the repeats of all sittings together (each sitting's
     ratios from its own engines, `pooled_ratios_by_repeat`), and its ratio
-    with the engine as the unit (`by_engine`)."""
-    sittings = [runs_from_json(p) for p in paths]
+    with the engine as the unit (`by_engine`). The base group is `base`,
+    or the first sitting's first group; a sitting without it is measured
+    against its own first group. So sittings whose engines started in
+    another order (the arms listed in another order) pool as one.
+    `from_repeat`, `no_drafting`: pool only the batches `keep_batches`
+    keeps (a repeat is paired only where every engine kept it)."""
+    sittings = [keep_batches(runs_from_json(p), from_repeat, no_drafting) for p in paths]
     out: dict = {"sittings": paths, "by_concurrency": {}}
+    if from_repeat or no_drafting:
+        out["batches_kept"] = {"from_repeat": from_repeat, "no_drafting": no_drafting}
     for c in sorted(set.intersection(*(set(s) for s in sittings))):
         ratios: dict[str, list] = {}
         engines: dict[str, list] = {}
+        want = base or base_arm(next(iter(sittings[0][c])))
+        out.setdefault("base", {})[c] = want
         for runs in sittings:
             groups: dict[str, list[str]] = {}
             for arm in runs[c]:
                 groups.setdefault(base_arm(arm), []).append(arm)
-            base = next(iter(groups))
+            base_group = want if want in groups else next(iter(groups))
 
             def medians(members):
-                return [statistics.median(r["tok_s"] for r in runs[c][a]) for a in members]
+                return [statistics.median(r["tok_s"] for r in runs[c][a]) for a in members
+                        if runs[c][a]]
 
-            for g, members in list(groups.items())[1:]:
-                key = f"{g}_over_{base}_by_repeat"
+            for g, members in groups.items():
+                if g == base_group:
+                    continue
+                key = f"{g}_over_{base_group}_by_repeat"
                 ratios.setdefault(key, []).extend(
-                    pooled_ratios_by_repeat(runs[c], members, groups[base]))
-                engines.setdefault(f"{g}_over_{base}_by_engine", []).append(
-                    (medians(groups[base]), medians(members)))
+                    pooled_ratios_by_repeat(runs[c], members, groups[base_group]))
+                engines.setdefault(f"{g}_over_{base_group}_by_engine", []).append(
+                    (medians(groups[base_group]), medians(members)))
         row = {k: ratio_summary(v) for k, v in ratios.items() if v}
         row.update({k: e for k, e in ((k, by_engine(v)) for k, v in engines.items()) if e})
         probes = [engine_probes(runs[c]) for runs in sittings]
@@ -1105,12 +1133,21 @@ def main() -> None:
     p.add_argument("--kv-bytes", type=int, default=0,
                    help="KV cache per engine (default 6 GiB on a GPU, as the sweep's "
                         "servers, 256 MiB on the CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="every engine's max_num_seqs (default: the largest --concurrency; "
+                        "at 1, vLLM's mixed prefill + decode warm-up step cannot run)")
     p.add_argument("--gpu-spans", action="store_true",
                    help="also time each step's GPU span with CUDA events (see SPAN)")
     p.add_argument("--cprofile", type=concurrency_list, default=(), metavar="C[,C...]",
                    help="at each concurrency C (of --concurrency), after its repeats, one "
                         "more batch per arm under cProfile: own time per function per "
                         "step, and each arm's difference from the first, beside --out")
+    p.add_argument("--cprofile-first", type=concurrency_list, default=(), metavar="C[,C...]",
+                   help="at each concurrency C (of --concurrency), after the warm-up and "
+                        "before the repeats, one batch per arm under cProfile (as "
+                        "--cprofile; `cprofile_first_*` files, `cprofile_first` in the JSON): "
+                        "what an engine does once, early in its life; the repeats then "
+                        "start one batch later in each engine's life")
     p.add_argument("--kernel-profile", type=concurrency_list, default=(), metavar="C[,C...]",
                    help="at each concurrency C (of --concurrency), after its repeats, one "
                         "more batch per arm under torch.profiler: own device time per "
@@ -1147,10 +1184,19 @@ def main() -> None:
                    help="start no engine: pool the per-repeat group ratios of several "
                         "sittings' JSONs (each with its own engines) into --out, and the "
                         "ratio by engine (`by_engine`: the engine as the unit)")
+    p.add_argument("--pool-base", metavar="ARM",
+                   help="with --pool: the arm the others are measured against in every "
+                        "sitting that has it (default: the first sitting's first arm)")
+    p.add_argument("--pool-from-repeat", type=int, default=0, metavar="N",
+                   help="with --pool: leave out each engine's batches before repeat N")
+    p.add_argument("--pool-no-drafting", action="store_true",
+                   help="with --pool: leave out the batches whose engine drafted "
+                        "(at depth 0, its exploring steps)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.pool:
-        result = pool_sittings(args.pool)
+        result = pool_sittings(args.pool, args.pool_base, args.pool_from_repeat,
+                               args.pool_no_drafting)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         for c, rows in result["by_concurrency"].items():
@@ -1200,7 +1246,11 @@ def main() -> None:
         refusal = eager_refusal({n: arm_settings(n, args.draft, device)[0] for n in arms})
         if refusal:
             raise SystemExit(refusal)
-    for flag, cs in (("--cprofile", args.cprofile), ("--kernel-profile", args.kernel_profile)):
+    if args.max_num_seqs and args.max_num_seqs < max(args.concurrency):
+        raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: below --concurrency "
+                         f"{max(args.concurrency)}, whose batches would not run whole")
+    for flag, cs in (("--cprofile", args.cprofile), ("--cprofile-first", args.cprofile_first),
+                     ("--kernel-profile", args.kernel_profile)):
         for c in cs:
             if c not in args.concurrency:
                 raise SystemExit(f"{flag} {c}: not one of --concurrency")
@@ -1225,6 +1275,8 @@ def main() -> None:
         prompts = [texts[i % len(texts)] for i in range(c)]
         for name in arms:  # warm-up: the batch shapes of this concurrency
             run_batch(engines[name], prompts, min(32, args.max_tokens))
+        first = (profile_arms(engines, arms, prompts, args, Path(args.out).resolve().parent,
+                              tag="first") if c in args.cprofile_first else None)
         runs = {name: [] for name in arms}
         for r in range(args.repeats):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
@@ -1244,6 +1296,8 @@ def main() -> None:
                       flush=True)
             # After each repeat: a run cut off mid-concurrency keeps its batches.
             result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1}
+            if first is not None:
+                result["by_concurrency"][str(c)]["cprofile_first"] = first
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
         entry = summarise_concurrency(runs, arms)
@@ -1280,6 +1334,8 @@ def main() -> None:
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
                   f"({s['min']:.3f}-{s['max']:.3f}; 90% interval of the median "
                   f"{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f})", flush=True)
+        if first is not None:
+            result["by_concurrency"][str(c)]["cprofile_first"] = first
         if c in args.cprofile:
             result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)

@@ -648,6 +648,63 @@ def test_sittings_pool_by_engine_too(tmp_path):
     assert row == want
 
 
+def test_sittings_in_reversed_start_order_pool_against_one_base(tmp_path):
+    """A sitting whose arms were listed (started) ours first is measured
+    against plain all the same: one ratio over both sittings, not one per
+    order; `base` names another arm where asked."""
+    def sitting(name, arms):
+        runs = {arm: [{"tok_s": tok_s, "repeat": 0}] for arm, tok_s in arms}
+        path = tmp_path / name
+        path.write_text(json.dumps({"by_concurrency": {"1": {"runs": runs}}}))
+        return str(path)
+
+    a = sitting("a.json", [("nospec", 100.0), ("ours", 98.0), ("nospec_twin", 104.0),
+                           ("ours_twin", 100.0)])
+    b = sitting("b.json", [("ours", 51.0), ("nospec", 50.0), ("ours_twin", 49.0),
+                           ("nospec_twin", 52.0)])
+    pooled = side_by_side.pool_sittings([a, b])
+    row = pooled["by_concurrency"][1]
+    assert pooled["base"][1] == "nospec"
+    assert [k for k in row if k.endswith("_by_engine")] == ["ours_over_nospec_by_engine"]
+    want = side_by_side.by_engine([([100.0, 104.0], [98.0, 100.0]), ([50.0, 52.0], [51.0, 49.0])])
+    assert row["ours_over_nospec_by_engine"] == want
+    assert row["ours_over_nospec_by_repeat"]["repeats"] == 2
+    other = side_by_side.pool_sittings([a, b], base="ours")["by_concurrency"][1]
+    assert [k for k in other if k.endswith("_by_engine")] == ["nospec_over_ours_by_engine"]
+    assert other["nospec_over_ours_by_engine"]["ratio"] == pytest.approx(1 / want["ratio"])
+
+
+def test_pooled_sittings_can_leave_out_first_and_drafting_batches(tmp_path):
+    """Ours' first batch is slow and its third drafted: from repeat 1 the
+    first is out of both arms, with no drafting the third is out of ours'
+    and its repeat out of the paired ratios; all batches kept, both count."""
+    def batch(tok_s, repeat, drafting=False):
+        phases = {"propose": {"calls": 1, "ms_per_step": 0.1}} if drafting else {}
+        return {"tok_s": tok_s, "repeat": repeat, "phases": phases}
+
+    runs = {"nospec": [batch(100.0, 0), batch(100.0, 1), batch(100.0, 2), batch(100.0, 3)],
+            "ours": [batch(50.0, 0, True), batch(100.0, 1), batch(90.0, 2, True),
+                     batch(100.0, 3)]}
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"by_concurrency": {"1": {"runs": runs}}}))
+
+    def row(**kw):
+        return side_by_side.pool_sittings([str(path)], **kw)["by_concurrency"][1]
+
+    every = row()
+    assert every["ours_over_nospec_by_repeat"]["repeats"] == 4
+    assert every["ours_over_nospec_by_engine"]["ratio"] == pytest.approx(0.95)  # median 95 / 100
+    later = row(from_repeat=1)
+    assert later["ours_over_nospec_by_repeat"]["repeats"] == 3
+    assert later["ours_over_nospec_by_engine"]["ratio"] == pytest.approx(1.0)
+    plain = row(no_drafting=True)
+    assert plain["ours_over_nospec_by_repeat"]["repeats"] == 2
+    assert plain["ours_over_nospec_by_engine"]["ratio"] == pytest.approx(1.0)
+    out = side_by_side.pool_sittings([str(path)], from_repeat=1)
+    assert out["batches_kept"] == {"from_repeat": 1, "no_drafting": False}
+    assert "batches_kept" not in side_by_side.pool_sittings([str(path)])
+
+
 def test_step_probe_times_the_workload_every_nth_step_outside_the_phase():
     """Every third step runs the fixed workload first: two probes in seven
     calls, their time in `py_probe` and not in the timed phase (the
@@ -708,3 +765,39 @@ def test_pooled_sittings_show_each_engines_in_step_probe(tmp_path):
     assert second == {"nospec": pytest.approx(0.4)}
     plain = sitting("c.json", {"nospec": [None], "ours": [None]})
     assert "step_probe_ms_by_sitting" not in side_by_side.pool_sittings([plain])["by_concurrency"][1]
+
+
+def test_profiled_batches_are_named_by_tag_and_diffed_against_the_first_arm(tmp_path, monkeypatch):
+    """`profile_arms` (behind --cprofile and --cprofile-first) profiles one
+    batch per engine in the engine's own process (here, this one), writes
+    `cprofile_<tag>_<arm>_c<C>.pstats` and lists the functions whose own
+    time differs from the first arm's: a function only the second arm runs
+    comes out on top."""
+    class Engine:
+        def __init__(self, work):
+            self.worker, self.work = SimpleNamespace(), work
+
+        def collective_rpc(self, fn, args=()):
+            return [fn(self.worker, *args)]
+
+    def busy(n):
+        total = 0
+        for i in range(n):  # a loop: its time is this function's own
+            total += i * i
+        return total
+
+    def run_batch(llm, prompts, max_tokens, *rest):
+        llm.work()
+        return {"steps": 4, "tok_s": 1.0, "ms_per_step": 1.0}
+
+    monkeypatch.setattr(side_by_side, "run_batch", run_batch)
+    engines = {"plain": Engine(lambda: None), "ours": Engine(lambda: busy(200_000))}
+    args = SimpleNamespace(max_tokens=8)
+    rows = side_by_side.profile_arms(engines, ["plain", "ours"], ["p", "q"], args, tmp_path,
+                                     tag="first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cprofile_first_ours_c2.pstats", "cprofile_first_plain_c2.pstats"]
+    top = rows["ours"]["diff_over_plain"][0]
+    assert top["function"].endswith(" busy") and top["tottime_ms_per_step_delta"] > 0
+    side_by_side.profile_arms(engines, ["plain"], ["p"], args, tmp_path)  # no tag
+    assert (tmp_path / "cprofile_plain_c1.pstats").is_file()
