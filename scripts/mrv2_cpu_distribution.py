@@ -23,7 +23,9 @@ attention, eager drafter.
 
 `--served-warmup` first runs our served-kernel warm-up in the worker (a
 CUDA worker's start-up step, which the CPU worker never reaches) and
-reports what it left behind.
+reports what it left behind and the longest query of each of its drafting
+calls; with `--max-num-seqs 1` it warms with one request's prompts
+instead of vLLM's mixed steps.
 
 About 8 minutes for 1,024 samples on two cores. Interpreter stand-ins:
 masks of mixed dtypes are cast to bool, and libdevice's log1p (the one
@@ -149,13 +151,14 @@ def engine_env(costs: Path, **extra: str) -> dict:
                 VLLM_AV_CALIBRATE_COSTS="0", **extra)
 
 
-def start_engine(target: str, speculative_config: dict | None, managers: list, seed: int = 0):
+def start_engine(target: str, speculative_config: dict | None, managers: list, seed: int = 0,
+                 max_num_seqs: int = 64):
     """(In the engine process, after `_lift_refusals`.) The tiny target's
     engine, eager and float32; our managers' depth policy started at once
     (no CUDA graphs, so no start-up profile: the given table is used)."""
     from vllm import LLM
 
-    llm = LLM(model=target, dtype="float32", max_model_len=256, max_num_seqs=64,
+    llm = LLM(model=target, dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs,
               seed=seed, gpu_memory_utilization=0.2, enforce_eager=True,
               distributed_executor_backend="uni", async_scheduling=True,
               speculative_config=speculative_config)
@@ -175,8 +178,15 @@ def served_warmup(worker) -> dict:
     worker.vllm_config.kernel_config.enable_jit_warmup = True
     runner = worker.model_runner
     manager = runner.adaptive_verification
-    seen = {"execute_calls": 0, "budgeted_before_clearing": None}
+    seen = {"execute_calls": 0, "budgeted_before_clearing": None, "drafted_queries": []}
     execute, forget = worker.execute_model, manager.forget_warmup
+    speculator = runner.speculator
+    propose = speculator.propose
+
+    def recorded_propose(input_batch, *args, **kwargs):
+        n = input_batch.num_reqs
+        seen["drafted_queries"].append(int(max(input_batch.num_scheduled_tokens[:n])))
+        return propose(input_batch, *args, **kwargs)
 
     def counted_execute(out):
         seen["execute_calls"] += 1
@@ -187,10 +197,11 @@ def served_warmup(worker) -> dict:
         forget()
 
     worker.execute_model, manager.forget_warmup = counted_execute, counted_forget
+    speculator.propose = recorded_propose
     try:
         ran = warm_served_kernels(worker)
     finally:
-        del worker.execute_model, manager.forget_warmup
+        del worker.execute_model, manager.forget_warmup, speculator.propose
     return {"ran": ran, **seen,
             "dummy_requests_left": [r for r in runner.req_states.req_id_to_index
                                     if r.startswith(DUMMY_REQUEST_PREFIXES)],
@@ -231,7 +242,8 @@ def engine(cfg: dict) -> None:
         del spec["model"]  # the MTP layer is in the target's checkpoint
     if spec["method"] == "draft_model" or cfg.get("probabilistic"):
         spec["draft_sample_method"] = "probabilistic"
-    llm = start_engine(cfg["target"], spec, managers, seed=cfg.get("seed", 0))
+    llm = start_engine(cfg["target"], spec, managers, seed=cfg.get("seed", 0),
+                       max_num_seqs=cfg.get("max_num_seqs", 64))
     if cfg.get("served_warmup"):
         print("SERVED_WARMUP " + json.dumps(llm.collective_rpc(served_warmup)[0]), flush=True)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["n_tokens"], ignore_eos=True)
@@ -269,6 +281,8 @@ def main() -> None:
     ap.add_argument("--served-warmup", action="store_true",
                     help="run our served-kernel warm-up in the worker after start-up (as "
                          "a CUDA worker does before its JIT monitor starts), then sample")
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="the engine's max_num_seqs (1: one request slot)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -302,7 +316,7 @@ def main() -> None:
                      **VARIANTS[args.variant])
     cfg = {"target": str(models.target), "draft": str(models.draft), "k": K,
            "prompt": prompt, "n": args.n, "n_tokens": NUM_TOKENS, "depth_cycle": args.depth_cycle,
-           "seed": args.seed,
+           "seed": args.seed, "max_num_seqs": args.max_num_seqs,
            "method": args.method, "served_warmup": args.served_warmup,
            "probabilistic": args.probabilistic}
     print(f"[mrv2-cpu] {args.method}, {args.variant}, depths {args.depth_cycle}, "

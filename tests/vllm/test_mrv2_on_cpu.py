@@ -140,3 +140,22 @@ def test_the_served_kernel_warm_up_runs_through_our_v2_path_and_leaves_nothing_b
     assert warm["dummy_requests_left"] == [] and warm["manager_steps"] == 0, warm
     assert warm["landed_records"] == [-1, -1], warm
     assert result["n"] == 128
+
+
+def test_with_one_request_slot_the_warm_up_drafts_over_each_longest_query():
+    """With max_num_seqs 1 vLLM's mixed warm-up step cannot run (it needs
+    two request slots), so the drafter's first forward met no query longer
+    than vLLM's own warm-up steps' (6 tokens) before serving: then the
+    first long one came while serving. One request's prompt per size
+    instead: the drafter runs over the mixed step's longest query of each
+    size the tiny vocabulary allows (5, 13, 29, 61 tokens; the code before
+    drafted over [6, 5, 1, 6, 5, 1] alone), and serving starts clean."""
+    result = run_script("--n", "4", "--variant", "holes", "--trim", "--served-warmup",
+                        "--max-num-seqs", "1")
+    warm = result["served_warmup"]
+    print(warm)
+    assert warm["ran"] is True
+    assert warm["drafted_queries"][-4:] == [5, 13, 29, 61], warm
+    assert warm["dummy_requests_left"] == [] and warm["manager_steps"] == 0, warm
+    assert warm["landed_records"] == [-1, -1], warm
+    assert result["n"] == 4

@@ -21,6 +21,7 @@ from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
 from vllm_av.vllm.mrv2.served_warmup import (  # noqa: E402
     MRV2ServedKernelsWarmupPatch,
     drafter_input_warmup_sizes,
+    run_prefill_warmup,
 )
 
 K = 4
@@ -110,11 +111,28 @@ class _Worker:
     _maybe_activate_jit_monitor = MRV2ServedKernelsWarmupPatch._maybe_activate_jit_monitor
 
 
-def _runner(manager):
+BLOCK = 16
+LOOKAHEAD = K  # the draft model's: K tokens past the request
+
+
+def _runner(manager, max_num_reqs=R_MAX, num_blocks=4096):
+    """The fields of vLLM's V2 runner the warm-up reads: one full-attention
+    KV cache group of 16-token blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    connector = SimpleNamespace(disabled=[])
+    connector.set_disabled = connector.disabled.append
     return SimpleNamespace(
-        adaptive_verification=manager, max_model_len=4096,
+        adaptive_verification=manager, max_model_len=4096, max_num_reqs=max_num_reqs,
+        num_speculative_steps=K, is_pooling_model=False,
+        vllm_config=SimpleNamespace(num_lookahead_tokens=LOOKAHEAD),
+        model_state=SimpleNamespace(),
+        kv_cache_config=SimpleNamespace(
+            num_blocks=num_blocks, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)]),
         req_states=SimpleNamespace(req_id_to_index={}),
-        kv_connector=SimpleNamespace(set_disabled=lambda flag: None))
+        kv_connector=connector)
 
 
 @pytest.fixture
@@ -227,3 +245,71 @@ def test_a_failed_warm_up_is_logged_cleaned_up_and_serving_still_starts(
     # The dummy requests are finished; nothing else is touched.
     assert worker.calls == [("execute", ["_warmup_0_", "_warmup_1_"]), ("monitor",)]
     assert m.stats.num_steps == 0
+
+
+class _StepLog:
+    """execute_model / sample_tokens of a worker, recording the steps."""
+
+    def __init__(self):
+        self.steps = []
+
+    def execute(self, out):
+        self.steps.append(out)
+
+    def sample(self, grammar):
+        self.steps.append("sample")
+
+
+def test_one_request_slot_warms_each_block_size_with_a_prompt(recorded_warmups, caplog):
+    """vLLM's mixed step needs two request slots: with one (max_num_seqs 1)
+    each size gets one request's prompt of the mixed step's longest query
+    instead, scheduled as the scheduler would (blocks for the prompt and
+    the drafter's lookahead, drafted at full depth), sampled, finished."""
+    m = _manager()
+    runner = _runner(m, max_num_reqs=1)
+    worker = _Worker(runner)
+    log = _StepLog()
+    worker.execute_model, worker.sample_tokens = log.execute, log.sample
+    with caplog.at_level(logging.INFO, logger="vllm.vllm_av"):
+        worker._maybe_activate_jit_monitor()
+    assert [c[0] for c in recorded_warmups.calls] == ["warmup_kernels"] * 2  # no mixed step
+    sizes = [6, 14, 30, 62, 126, 254, 510]
+    assert len(log.steps) == 3 * len(sizes)
+    for i, n in enumerate(sizes):
+        step, sample, finish = log.steps[3 * i: 3 * i + 3]
+        (req,) = step.scheduled_new_reqs
+        assert req.req_id == f"_vllm_av_warm{n}" and sample == "sample"
+        # The mixed step's longest query: its prefill chunk of n - 1 tokens.
+        assert req.prompt_token_ids == list(range(n - 1)) == req.prefill_token_ids
+        assert step.num_scheduled_tokens == {req.req_id: n - 1}
+        assert step.total_num_scheduled_tokens == n - 1
+        assert step.num_spec_tokens_to_schedule == K and req.num_computed_tokens == 0
+        blocks = -(-(n - 1 + LOOKAHEAD) // BLOCK)
+        assert req.block_ids == (list(range(1, 1 + blocks)),)  # block 0 is the null block
+        assert finish.finished_req_ids == {req.req_id} and not finish.scheduled_new_reqs
+    assert runner.kv_connector.disabled == [True, False] * len(sizes)
+    assert "drafter inputs of 6, 14, 30, 62, 126, 254, 510 tokens, one request's prompt" \
+        in caplog.text
+    assert m.stats.num_steps == 0  # cleared after, as with the mixed steps
+
+
+def test_two_request_slots_keep_vllms_mixed_steps(recorded_warmups):
+    # Negative control for the test above: with two slots, no prompt steps.
+    worker = _Worker(_runner(_manager(), max_num_reqs=2))
+    log = _StepLog()
+    worker.execute_model, worker.sample_tokens = log.execute, log.sample
+    worker._maybe_activate_jit_monitor()
+    assert [c[1] for c in recorded_warmups.calls if c[0] == "mixed"] == [
+        6, 14, 30, 62, 126, 254, 510]
+    assert log.steps == []
+
+
+def test_a_prompt_the_kv_cache_cannot_hold_is_skipped():
+    runner = _runner(_manager(), max_num_reqs=1, num_blocks=2)
+    log = _StepLog()
+    # 13 prompt tokens and 4 of lookahead take 2 blocks, beside the null
+    # block 3 (as vLLM's mixed step counts); 5 and 4 take 1.
+    assert not run_prefill_warmup(runner, log.execute, log.sample, 14, "x")
+    assert run_prefill_warmup(runner, log.execute, log.sample, 6, "y")
+    assert len(log.steps) == 3
+    assert not run_prefill_warmup(runner, log.execute, log.sample, 2, "z")  # 1 token: none

@@ -30,6 +30,13 @@ this runs vLLM's own warm-up steps again with our AV on, once with vLLM's
 sampling parameters and once with plain temperature-1 ones, then vLLM's
 mixed prefill + decode step once per block size of the drafter's input
 kernel, and clears what those steps taught our manager and estimator.
+vLLM's mixed step needs two request slots; an engine with one
+(`max_num_seqs` 1) gets one request's prompt of the same longest query
+instead (`run_prefill_warmup`). Without either, the first step that drafted
+over a long query (at one request, the first exploration, whose drafter
+catches up on the prompt and the tokens it skipped) took 160-350 ms more
+host time in every such engine of ours on the H100 (thirty-eighth and
+thirty-ninth rounds), and none where the mixed steps had run.
 Nothing here is served: the requests are vLLM's dummy ones, their KV blocks
 are overwritten by the first real requests, and the random seed is reset
 as vLLM resets it.
@@ -51,7 +58,7 @@ logger = logging.getLogger("vllm.vllm_av")
 # block size 2**k.
 DRAFTER_INPUT_BLOCK_CAP = 512
 # Request ids of the warm-up's dummy requests: vLLM's warm-up steps', then
-# our mixed steps' (one prefix per size).
+# our mixed or prompt steps' (one prefix per size).
 DUMMY_REQUEST_PREFIXES = ("_warmup_", "_vllm_av_warm")
 
 
@@ -72,6 +79,53 @@ def drafter_input_warmup_sizes(max_num_batched_tokens: int, max_model_len: int,
             sizes.append(n)
         block *= 2
     return sizes
+
+
+def run_prefill_warmup(runner, execute_model, sample_tokens, num_tokens: int,
+                       req_id: str) -> bool:
+    """One dummy request's prompt of `num_tokens` - 1 tokens in one step,
+    drafted after at full depth, then finished: the longest query of
+    vLLM's mixed step of `num_tokens` (its prefill chunk) with one request
+    slot, which that step needs two of. Built as vLLM builds the mixed
+    step's first step (its blocks reserved as the scheduler would, the
+    KV connector off). Returns whether it ran (False where the KV cache
+    cannot hold it)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.worker.gpu.warmup import _warmup_block_counter
+
+    prompt_len = num_tokens - 1
+    if runner.is_pooling_model or prompt_len < 2:
+        return False
+    block_count = _warmup_block_counter(runner)
+    counts = [block_count(prompt_len, g.kv_cache_spec)
+              for g in runner.kv_cache_config.kv_cache_groups]
+    if runner.kv_cache_config.num_blocks <= sum(counts):
+        return False
+    block_ids, next_id = [], 1  # block 0 is the null block
+    for n in counts:
+        block_ids.append(list(range(next_id, next_id + n)))
+        next_id += n
+    token_ids = list(range(prompt_len))
+    step = SchedulerOutput.make_empty()
+    step.num_spec_tokens_to_schedule = runner.num_speculative_steps
+    step.scheduled_new_reqs = [NewRequestData(
+        req_id=req_id, prompt_token_ids=token_ids, mm_features=[],
+        sampling_params=SamplingParams(max_tokens=2, temperature=0.0, watermarking=False),
+        pooling_params=None, block_ids=tuple(block_ids), num_computed_tokens=0,
+        lora_request=None, prefill_token_ids=token_ids)]
+    step.num_scheduled_tokens = {req_id: prompt_len}
+    step.total_num_scheduled_tokens = prompt_len
+    finish = SchedulerOutput.make_empty()
+    finish.finished_req_ids = {req_id}
+    runner.kv_connector.set_disabled(True)
+    try:
+        execute_model(step)
+        sample_tokens(None)
+        execute_model(finish)
+    finally:
+        runner.kv_connector.set_disabled(False)
+    return True
 
 
 def _ours(runner):
@@ -114,9 +168,10 @@ def _clean_up(runner, execute_model) -> None:
 
 def warm_served_kernels(worker) -> bool:
     """vLLM's warm-up steps with our AV on, then the drafter's input kernel
-    at every block size, on a V2 worker whose AV manager is ours. Returns
-    whether it ran. A failure is logged and leaves serving as vLLM set it
-    up (those kernels then compile when first met)."""
+    at every block size (vLLM's mixed steps, or with one request slot our
+    prompt steps), on a V2 worker whose AV manager is ours. Returns whether
+    it ran. A failure is logged and leaves serving as vLLM set it up (those
+    kernels then compile when first met)."""
     if not getattr(worker, "use_v2_model_runner", False):
         return False
     if not worker.vllm_config.kernel_config.enable_jit_warmup:
@@ -133,6 +188,8 @@ def warm_served_kernels(worker) -> bool:
     sizes = drafter_input_warmup_sizes(
         sched.max_num_batched_tokens, runner.max_model_len,
         worker.vllm_config.model_config.get_vocab_size(), manager.num_speculative_steps)
+    # vLLM's mixed step takes two request slots; one slot gets a prompt.
+    one_slot = runner.max_num_reqs < 2
     t0 = time.perf_counter()
     ran = []
     try:
@@ -141,9 +198,15 @@ def warm_served_kernels(worker) -> bool:
             with _plain_sampling_params():
                 _warmup_kernels(runner, worker.execute_model, worker.sample_tokens)
             for n in sizes:
-                if run_mixed_prefill_decode_warmup(
+                req_id = f"{DUMMY_REQUEST_PREFIXES[1]}{n}"
+                if one_slot:
+                    done = run_prefill_warmup(runner, worker.execute_model,
+                                              worker.sample_tokens, n, req_id)
+                else:
+                    done = run_mixed_prefill_decode_warmup(
                         runner, worker.execute_model, worker.sample_tokens, n,
-                        req_id_prefix=f"{DUMMY_REQUEST_PREFIXES[1]}{n}"):
+                        req_id_prefix=req_id)
+                if done:
                     ran.append(n)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
@@ -166,8 +229,9 @@ def warm_served_kernels(worker) -> bool:
         return False
     logger.info("vllm-av (MRV2): served kernels warmed in %.2f s (vLLM's warm-up steps with "
                 "our AV on, with its sampling parameters and at plain temperature 1; drafter "
-                "inputs of %s tokens)", time.perf_counter() - t0,
-                ", ".join(map(str, ran)) or "no")
+                "inputs of %s tokens%s)", time.perf_counter() - t0,
+                ", ".join(map(str, ran)) or "no",
+                ", one request's prompt each" if one_slot and ran else "")
     return True
 
 
@@ -191,7 +255,9 @@ class MRV2ServedKernelsWarmupPatch(VllmPatch):
         again with our AV on, twice (vLLM's sampling parameters, then plain
         temperature 1: `SamplingParams.for_sampler_warmup` swapped for the
         call), then vLLM's mixed prefill + decode warm-up step at 6, 14,
-        ..., 510 tokens (each block size of the drafter's input kernel),
+        ..., 510 tokens (each block size of the drafter's input kernel;
+        with one request slot, one request's prompt of the same longest
+        query, `run_prefill_warmup`),
         clears our manager's and estimator's state
         (`AVManager.forget_warmup`) and resets the seed; then vLLM's
         method. Other workers: vLLM's method alone.
