@@ -7,8 +7,10 @@ every step drafting (VLLM_AV_TEST_FIXED_DEPTH=K, so that the rejection
 sampler runs from the first step), and counts the kernels the monitor saw
 compiled after warm-up. Variants: `on` (the served-kernel warm-up, our
 default), `off` (VLLM_AV_SERVED_KERNEL_WARMUP=0: vLLM's warm-up alone,
-the negative control) and, with `--variants on,off,plain`, `plain` (vLLM
-without speculation: what its warm-up leaves to serving in any engine).
+the negative control) and, with `--variants on,off,plain,one_slot`,
+`plain` (vLLM without speculation: what its warm-up leaves to serving in
+any engine) and `one_slot` (ours with max_num_seqs 1, where vLLM's mixed
+warm-up step cannot run and ours warms with one request's prompts).
 
     python scripts/gpu/jit_check.py --target T --draft D --out jit_check.json
 
@@ -37,7 +39,8 @@ ENGINE = textwrap.dedent(
                                       "num_speculative_tokens": cfg["k"],
                                       "enable_adaptive_verification": True}
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-              max_num_seqs=64, gpu_memory_utilization=0.2, seed=0, jit_monitor_verbose=True,
+              max_num_seqs=cfg["max_num_seqs"], gpu_memory_utilization=0.2, seed=0,
+              jit_monitor_verbose=True,
               speculative_config=spec)
     print(f"STARTED {time.perf_counter() - t0:.1f}", flush=True)
     # Token ids below the tiny test models' vocabulary (64); lengths that
@@ -56,7 +59,9 @@ ENGINE = textwrap.dedent(
 # Ours with the served-kernel warm-up, ours without it (the negative
 # control), and plain vLLM without speculation (what vLLM's own warm-up
 # leaves to serving in any engine).
-VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}, "plain": {"VLLM_AV_IMPL": "off"}}
+VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}, "plain": {"VLLM_AV_IMPL": "off"},
+            "one_slot": {}}
+MAX_NUM_SEQS = {"one_slot": 1}
 COMPILED = re.compile(r"JIT compilation during inference: (\w+)")
 
 
@@ -66,7 +71,7 @@ def start_variant(name: str, target: str, draft: str, k: int, max_model_len: int
     if fixed_depth and name != "plain":
         env["VLLM_AV_TEST_FIXED_DEPTH"] = str(k)
     cfg = {"target": target, "draft": draft, "k": k, "max_model_len": max_model_len,
-           "dtype": dtype, "plain": name == "plain"}
+           "dtype": dtype, "plain": name == "plain", "max_num_seqs": MAX_NUM_SEQS.get(name, 64)}
     return subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,12 +1,14 @@
 """Our served-kernel warm-up on the GPU: an engine of ours compiles none of
 the spec-decode kernels it serves with after start-up.
 
-Skipped without CUDA or vLLM. Two engines of ours on the tiny test pair in
-bfloat16 (scripts/gpu/jit_check.py), every step drafting K: one with the
-warm-up (the default), one without it (VLLM_AV_SERVED_KERNEL_WARMUP=0, the
-negative control: vLLM's warm-up leaves the rejection kernels for
+Skipped without CUDA or vLLM. Three engines of ours on the tiny test pair
+in bfloat16 (scripts/gpu/jit_check.py), every step drafting K: one with
+the warm-up (the default), one without it (VLLM_AV_SERVED_KERNEL_WARMUP=0,
+the negative control: vLLM's warm-up leaves the rejection kernels for
 unprocessed bfloat16 logits and our estimator's observation to the first
-served steps). vLLM's own top-p kernels are not counted: plain V2 compiles
+served steps), and one with the warm-up and a single request slot
+(max_num_seqs 1: vLLM's mixed warm-up step cannot run, ours warms the
+drafter's first forward with one request's prompts). vLLM's own top-p kernels are not counted: plain V2 compiles
 them while serving too.
 """
 
@@ -45,7 +47,7 @@ def compiled(tmp_path_factory):
     check = _jit_check()
     t0 = time.perf_counter()
     procs = {v: check.start_variant(v, str(models.target), str(models.draft), 3, 256, "bfloat16")
-             for v in ("on", "off")}
+             for v in ("on", "off", "one_slot")}
     out = {v: check.finish_variant(v, p, t0, 600) for v, p in procs.items()}
     for r in out.values():
         print(r["variant"], r["rc"], r["start_s"], r["compiled_while_serving"], r["served_warmup"])
@@ -68,3 +70,10 @@ def test_without_it_the_rejection_kernels_compile_while_serving(compiled):
     off = compiled["off"]
     assert off["rc"] == 0 and off["served"], off["log_tail"]
     assert {"_rejection_kernel", "_resample_kernel"} <= _ours(off["compiled_while_serving"])
+
+
+def test_with_one_request_slot_the_prompts_warm_and_nothing_of_ours_compiles(compiled):
+    one = compiled["one_slot"]
+    assert one["rc"] == 0 and one["served"], one["log_tail"]
+    assert "one request's prompt each" in (one["served_warmup"] or ""), one["served_warmup"]
+    assert not _ours(one["compiled_while_serving"]), one["compiled_lines"]
