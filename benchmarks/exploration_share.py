@@ -15,6 +15,11 @@ What a depth-0 step costs beyond a plain one (`depth0_step_cost`): per
 file (a sitting) and concurrency, the mean over ours' engines of their
 batches without an exploring step, less the mean over `--base`'s engines
 of all their batches, for the step and each host phase and the GPU span.
+
+What an engine does once early in its life (`first_batch_excess`): per
+file, concurrency and engine (every arm), the host time in
+`execute_model` over its first timed batch less the median over its later
+batches, in ms per batch.
 """
 from __future__ import annotations
 
@@ -125,6 +130,27 @@ def depth0_step_cost(paths: list[Path], arm: str, base: str) -> dict:
     return out
 
 
+def first_batch_excess(paths: list[Path], phase: str = "execute_model") -> dict:
+    """Per file, concurrency and engine: `phase`'s ms over the engine's
+    first batch (repeat 0) less the median over its later batches (ms per
+    step times the batch's steps). The batches run the same prompts, so
+    what the first holds beyond the others happens once."""
+    out: dict = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for conc, block in data["by_concurrency"].items():
+            for name, runs in block["runs"].items():
+                totals = {r.get("repeat", i): r["phases"][phase]["ms_per_step"] * r["steps"]
+                          for i, r in enumerate(runs) if phase in r["phases"]}
+                later = [ms for rep, ms in totals.items() if rep > 0]
+                if 0 not in totals or not later:
+                    continue
+                # Keyed by the whole path: rounds name their runs alike.
+                out.setdefault(str(path), {}).setdefault(conc, {})[name] = (
+                    totals[0] - statistics.median(later))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("paths", nargs="+", type=Path)
@@ -135,7 +161,8 @@ def main() -> int:
     result = {"sources": [str(p) for p in args.paths], "arm": args.arm,
               "by_concurrency": exploration_share(args.paths, args.arm),
               "gpu_span": exploring_gpu_span(args.paths, args.arm),
-              "depth0_step_cost": depth0_step_cost(args.paths, args.arm, args.base)}
+              "depth0_step_cost": depth0_step_cost(args.paths, args.arm, args.base),
+              "first_batch_excess_ms": first_batch_excess(args.paths)}
     for conc, row in result["by_concurrency"].items():
         print(f"C={conc}: {row['exploring_batches']} of {row['batches']} batches explored; "
               f"the drafter's host time {100 * row['mean_share']:.2f}% of ours' step time "
@@ -152,6 +179,11 @@ def main() -> int:
             print(f"C={conc} {name}: ours' batches without an exploring step less "
                   f"{args.base}'s, ms per step ({row['engines'][1]} / {row['engines'][0]} "
                   f"engines; {args.base}'s step {row['step']['base_ms']:.3f}): {parts}")
+    for name, concs in result["first_batch_excess_ms"].items():
+        for conc, engines in concs.items():
+            print(f"C={conc} {name}: execute_model over each engine's first batch less its "
+                  "later batches' median, ms: "
+                  + ", ".join(f"{e} {ms:+.0f}" for e, ms in engines.items()))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -11,7 +11,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from exploration_share import depth0_step_cost, exploration_share, exploring_gpu_span  # noqa: E402
+from exploration_share import (  # noqa: E402
+    depth0_step_cost,
+    exploration_share,
+    exploring_gpu_span,
+    first_batch_excess,
+)
 
 
 def _run(ms_per_step: float, propose_ms: float | None) -> dict:
@@ -94,3 +99,22 @@ def test_depth0_step_cost_leaves_exploring_batches_out(tmp_path, monkeypatch):
     broken = depth0_step_cost([path], "ours_served", "nospec")["side_by_side.json"]["1"]
     assert broken["step"]["extra_ms"] == pytest.approx(0.55)
     assert broken["step"]["extra_ms"] != pytest.approx(row["step"]["extra_ms"])
+
+
+def test_the_first_batch_excess_is_read_per_engine_against_its_own_later_batches(tmp_path):
+    """Ours' first batch holds 300 ms more of execute_model than its later
+    ones; plain's none. Each engine against its own median (the twin's
+    slower batches do not move ours'); an engine with one batch, no row."""
+    def batch(ms_per_step, repeat, steps=100):
+        return {"repeat": repeat, "steps": steps,
+                "phases": {"execute_model": {"calls": steps, "ms_per_step": ms_per_step}}}
+
+    data = {"by_concurrency": {"1": {"runs": {
+        "nospec": [batch(1.3, 0), batch(1.3, 1), batch(1.2, 2), batch(1.4, 3)],
+        "ours_served": [batch(4.3, 0), batch(1.3, 1), batch(1.3, 2), batch(9.0, 3)],
+        "ours_served_twin": [batch(2.0, 0), batch(2.0, 1), batch(2.0, 2)],
+        "alone": [batch(5.0, 0)]}}}}
+    path = tmp_path / "side_by_side.json"
+    path.write_text(json.dumps(data))
+    out = first_batch_excess([path])[str(path)]["1"]
+    assert out == pytest.approx({"nospec": 0.0, "ours_served": 300.0, "ours_served_twin": 0.0})
