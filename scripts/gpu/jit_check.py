@@ -57,8 +57,8 @@ ENGINE = textwrap.dedent(
 )
 
 # Ours with the served-kernel warm-up, ours without it (the negative
-# control), and plain vLLM without speculation (what vLLM's own warm-up
-# leaves to serving in any engine).
+# control), plain vLLM without speculation (what vLLM's own warm-up leaves
+# to serving in any engine), and ours with one request slot (MAX_NUM_SEQS).
 VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}, "plain": {"VLLM_AV_IMPL": "off"},
             "one_slot": {}}
 MAX_NUM_SEQS = {"one_slot": 1}

@@ -33,9 +33,10 @@ step), each with every arm's difference from the first: where two
 engines' host phases or GPU spans differ, function by function and
 kernel by kernel. `--cprofile-first C[,C...]` profiles a batch before the
 repeats instead, each engine's first full one, so that what an engine
-does once early in its life (its first exploring step) shows by function. `--cpus` confines the driver and every engine to the
-same CPUs (engine processes of one run stepped at host speeds up to 28%
-apart in vLLM's own phases; pinned, identical engines still read 12-16%
+does once early in its life (its first exploring step) shows by
+function. `--cpus` confines the driver and every engine to the same CPUs
+(engine processes of one run stepped at host speeds up to 28% apart in
+vLLM's own phases; pinned, identical engines still read 12-16%
 apart, twenty-seventh round). An arm named `<arm>_twin` (or `_twin2`, ...)
 is one more engine with `<arm>`'s settings: its ratio over `<arm>` is what
 identical engines read apart, the floor under every other ratio; with
@@ -1275,8 +1276,10 @@ def main() -> None:
         prompts = [texts[i % len(texts)] for i in range(c)]
         for name in arms:  # warm-up: the batch shapes of this concurrency
             run_batch(engines[name], prompts, min(32, args.max_tokens))
-        first = (profile_arms(engines, arms, prompts, args, Path(args.out).resolve().parent,
-                              tag="first") if c in args.cprofile_first else None)
+        # Kept in the concurrency's entry as each repeat and the summary rewrite it.
+        extra_entry = ({"cprofile_first": profile_arms(
+            engines, arms, prompts, args, Path(args.out).resolve().parent, tag="first")}
+            if c in args.cprofile_first else {})
         runs = {name: [] for name in arms}
         for r in range(args.repeats):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
@@ -1295,9 +1298,8 @@ def main() -> None:
                          if "python_speed" in run else ""),
                       flush=True)
             # After each repeat: a run cut off mid-concurrency keeps its batches.
-            result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1}
-            if first is not None:
-                result["by_concurrency"][str(c)]["cprofile_first"] = first
+            result["by_concurrency"][str(c)] = {"runs": runs, "repeats_done": r + 1,
+                                                **extra_entry}
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
         entry = summarise_concurrency(runs, arms)
@@ -1334,8 +1336,7 @@ def main() -> None:
             print(f"[C={c}] {name} / {arms[0]}: {s['median']:.3f} "
                   f"({s['min']:.3f}-{s['max']:.3f}; 90% interval of the median "
                   f"{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f})", flush=True)
-        if first is not None:
-            result["by_concurrency"][str(c)]["cprofile_first"] = first
+        result["by_concurrency"][str(c)].update(extra_entry)
         if c in args.cprofile:
             result["by_concurrency"][str(c)]["cprofile"] = profile_arms(
                 engines, arms, prompts, args, Path(args.out).resolve().parent)
