@@ -40,6 +40,7 @@ ENGINE = textwrap.dedent(
                                       "enable_adaptive_verification": True}
     llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
               max_num_seqs=cfg["max_num_seqs"], gpu_memory_utilization=0.2, seed=0,
+              kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"],
               jit_monitor_verbose=True,
               speculative_config=spec)
     print(f"STARTED {time.perf_counter() - t0:.1f}", flush=True)
@@ -62,6 +63,14 @@ ENGINE = textwrap.dedent(
 VARIANTS = {"on": {}, "off": {"VLLM_AV_SERVED_KERNEL_WARMUP": "0"}, "plain": {"VLLM_AV_IMPL": "off"},
             "one_slot": {}}
 MAX_NUM_SEQS = {"one_slot": 1}
+# The engines start at once on one GPU, and vLLM's memory profile counts
+# what the others allocate meanwhile as its own: with every engine on
+# gpu_memory_utilization, one was left no KV cache ("No available memory for
+# the cache blocks"). So all but `one_slot` get a fixed KV cache (no memory
+# profile); `one_slot` keeps the profile, where vLLM captures only the
+# largest FULL graphs and our cost profile runs steps at their sizes.
+KV_CACHE_BYTES = {"one_slot": None}
+FIXED_KV_CACHE_BYTES = 256 << 20
 COMPILED = re.compile(r"JIT compilation during inference: (\w+)")
 
 
@@ -71,7 +80,8 @@ def start_variant(name: str, target: str, draft: str, k: int, max_model_len: int
     if fixed_depth and name != "plain":
         env["VLLM_AV_TEST_FIXED_DEPTH"] = str(k)
     cfg = {"target": target, "draft": draft, "k": k, "max_model_len": max_model_len,
-           "dtype": dtype, "plain": name == "plain", "max_num_seqs": MAX_NUM_SEQS.get(name, 64)}
+           "dtype": dtype, "plain": name == "plain", "max_num_seqs": MAX_NUM_SEQS.get(name, 64),
+           "kv_cache_memory_bytes": KV_CACHE_BYTES.get(name, FIXED_KV_CACHE_BYTES)}
     return subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -8,7 +8,11 @@ the negative control: vLLM's warm-up leaves the rejection kernels for
 unprocessed bfloat16 logits and our estimator's observation to the first
 served steps), and one with the warm-up and a single request slot
 (max_num_seqs 1: vLLM's mixed warm-up step cannot run, ours warms the
-drafter's first forward with one request's prompts). vLLM's own top-p kernels are not counted: plain V2 compiles
+drafter's first forward with one request's prompts). That one alone sizes
+its KV cache by vLLM's memory profile, which captures only the largest FULL
+graphs before our cost profile steps at their sizes: it also checks that
+no step is sent to a graph the profile did not capture (our two-token
+graph, once). vLLM's own top-p kernels are not counted: plain V2 compiles
 them while serving too.
 """
 

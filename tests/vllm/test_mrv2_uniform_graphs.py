@@ -33,21 +33,22 @@ def patched():
     revert_patch(MRV2UniformDecodeGraphsPatch)
 
 
-def manager(uniform_decode_graphs: bool, varlen_decode: bool = True) -> CudaGraphManager:
+def manager(uniform_decode_graphs: bool, varlen_decode: bool = True, k: int = K,
+            max_reqs: int = MAX_REQS, sizes=SIZES) -> CudaGraphManager:
     """A V2 graph manager as the runner builds it with AV on (varlen decode,
-    FULL_AND_PIECEWISE, K+1 query tokens per request), graphs 'captured'."""
+    FULL_AND_PIECEWISE, k+1 query tokens per request), graphs 'captured'."""
     m = CudaGraphManager.__new__(CudaGraphManager)
     spec = SimpleNamespace(uses_dynamic_speculative_decoding=lambda: False)
     m.vllm_config = SimpleNamespace(
-        speculative_config=spec, num_speculative_tokens=K,
+        speculative_config=spec, num_speculative_tokens=k,
         cache_config=SimpleNamespace(use_kda_recoverssm=False),
         additional_config={"vllm_av": AVOptions(
             uniform_decode_graphs=uniform_decode_graphs).to_dict()})
-    m.compilation_config = SimpleNamespace(cudagraph_capture_sizes=SIZES,
-                                           max_cudagraph_capture_size=max(SIZES))
+    m.compilation_config = SimpleNamespace(cudagraph_capture_sizes=sizes,
+                                           max_cudagraph_capture_size=max(sizes))
     m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    m.max_num_reqs = MAX_REQS
-    m.decode_query_len = K + 1
+    m.max_num_reqs = max_reqs
+    m.decode_query_len = k + 1
     m.varlen_decode = varlen_decode
     m.lora_capture_cases = [0]
     m._lora_dispatch_map, m._max_lora_case = {}, 0
@@ -133,3 +134,37 @@ def test_uniform_graphs_are_captured_once_per_size_that_fits_the_requests():
     # Calling it again (vLLM re-inits after releasing graphs) adds nothing twice.
     on._init_candidates()
     assert len(on._capture_descs[CUDAGraphMode.FULL]) == len(after)
+
+
+def captured_largest(limit):
+    """vLLM's capture as its memory profile runs it: only the `limit`
+    largest FULL descriptors get a graph (`_max_full_descs_to_capture`)."""
+    def capture(self, *args, **kwargs):
+        self.graphs = {d: object() for d in self._capture_descs[CUDAGraphMode.FULL][:limit]}
+    return capture
+
+
+@pytest.mark.parametrize("limit", [2, None])
+def test_after_a_capture_every_step_dispatches_to_a_captured_graph(monkeypatch, limit):
+    # One request slot, K = 3 (the GPU test's one-slot engine): FULL graphs
+    # for 4, 2 and 1 tokens, the two-token twin second largest. Our cost
+    # profile then times dummy steps at each captured size.
+    monkeypatch.setattr(CudaGraphManager, "_orig_capture", captured_largest(limit),
+                        raising=False)
+    m = manager(True, k=3, max_reqs=1, sizes=[1, 2, 4])
+    m.capture()
+    sizes = sorted({d.num_tokens for d in m.graphs})
+    assert sizes == ([2, 4] if limit else [1, 2, 4])
+    for n in sizes:  # one request of n tokens, as vLLM's dummy run lays it out
+        d = m.dispatch(1, n, n, 0, max_query_len=n)
+        assert d.cg_mode == CUDAGraphMode.FULL and d in m.graphs, (n, d)
+    if limit is None:  # a full capture keeps the twins first
+        assert step(m, 1, 1, scheduled_max=1).uniform_token_count == 1
+        assert step(m, 1, 2, scheduled_max=2).uniform_token_count == 2
+
+
+def test_negative_control_without_the_filter_the_profile_dispatches_to_no_graph():
+    m = manager(True, k=3, max_reqs=1, sizes=[1, 2, 4])
+    captured_largest(2)(m)  # vLLM's capture alone, candidates left as built
+    d = m.dispatch(1, 2, 2, 0, max_query_len=2)
+    assert d.uniform_token_count == 2 and d not in m.graphs

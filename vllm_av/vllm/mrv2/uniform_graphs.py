@@ -62,11 +62,11 @@ def uniform_twins(desc, max_num_reqs: int, counts=UNIFORM_COUNTS) -> list:
 
 
 def add_uniform_graphs(capture_descs: dict, candidates: dict, full_mode,
-                       max_num_reqs: int) -> int:
+                       max_num_reqs: int) -> list:
     """Add the uniform twins of `capture_descs[full_mode]`'s varlen
     descriptors to the capture list (largest first, as vLLM keeps it) and to
     every candidate list, right before their varlen original (dispatch takes
-    the first compatible candidate). Returns how many were added."""
+    the first compatible candidate). Returns the descriptors added."""
     full = capture_descs.get(full_mode, [])
     have = set(full)
     twins = {}
@@ -76,7 +76,7 @@ def add_uniform_graphs(capture_descs: dict, candidates: dict, full_mode,
             twins[d] = new
             have.update(new)
     if not twins:
-        return 0
+        return []
     added = [t for new in twins.values() for t in new]
     capture_descs[full_mode] = sorted([*full, *added], key=lambda d: d.num_tokens, reverse=True)
     for key, descs in candidates.items():
@@ -85,7 +85,20 @@ def add_uniform_graphs(capture_descs: dict, candidates: dict, full_mode,
             out.extend(twins.get(d, ()))
             out.append(d)
         candidates[key] = out
-    return len(added)
+    return added
+
+
+def keep_captured_twins(candidates: dict, graphs, every_candidate: dict, twins) -> None:
+    """After a capture: each size's candidates as `every_candidate` lists
+    them, less those of `twins` (the descriptors `add_uniform_graphs` added)
+    that were not captured. vLLM's memory profile captures only the two
+    largest FULL graphs, then our cost profile runs dummy steps at their
+    sizes; a twin left first among its size's candidates would be
+    dispatched there with no graph behind it (with one request slot and
+    K = 3 the two-token twin has the second largest size, and start-up
+    failed with "No cudagraph for ...")."""
+    for key, descs in every_candidate.items():
+        candidates[key] = [d for d in descs if d not in twins or d in graphs]
 
 
 class MRV2UniformDecodeGraphsPatch(VllmPatch):
@@ -101,7 +114,9 @@ class MRV2UniformDecodeGraphsPatch(VllmPatch):
         vLLM's candidate lists are built, add for each varlen descriptor
         FULL descriptors of exactly 1 and 2 tokens per request, each with
         max_query_len equal to that count (`add_uniform_graphs`), first
-        among their size's candidates and in the capture list.
+        among their size's candidates and in the capture list; after each
+        capture, drop from the candidates those twins it did not capture
+        (vLLM's memory profile captures only the largest FULL graphs).
     Upstream: capture uniform decode graphs for the common draft lengths
         beside varlen ones.
     Remove when: vLLM's V2 graph manager captures them itself.
@@ -109,11 +124,12 @@ class MRV2UniformDecodeGraphsPatch(VllmPatch):
     """
 
     target = "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager"
-    attributes = ("_init_candidates",)
+    attributes = ("_init_candidates", "capture")
     platforms = ("cuda",)
 
     def _init_candidates(self) -> None:
         type(self)._orig__init_candidates(self)
+        self._vllm_av_twins = None
         options = av_options_of(self.vllm_config)
         if options is None or not options.uniform_decode_graphs or not self.varlen_decode:
             return
@@ -122,5 +138,13 @@ class MRV2UniformDecodeGraphsPatch(VllmPatch):
         added = add_uniform_graphs(self._capture_descs, self._candidates, CUDAGraphMode.FULL,
                                    self.max_num_reqs)
         if added:
+            self._vllm_av_twins = (set(added), {k: list(v) for k, v in self._candidates.items()})
             logger.info("vllm-av (MRV2): %d uniform FULL decode graphs (1 and 2 tokens per "
-                        "request) beside the varlen ones (option uniform_decode_graphs)", added)
+                        "request) beside the varlen ones (option uniform_decode_graphs)", len(added))
+
+    def capture(self, *args, **kwargs) -> None:
+        type(self)._orig_capture(self, *args, **kwargs)
+        added = getattr(self, "_vllm_av_twins", None)
+        if added:
+            twins, every_candidate = added
+            keep_captured_twins(self._candidates, self.graphs, every_candidate, twins)
