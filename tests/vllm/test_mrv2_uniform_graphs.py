@@ -144,27 +144,49 @@ def captured_largest(limit):
     return capture
 
 
+# vLLM's default capture sizes, as far as a decode batch of up to 256
+# requests of K + 1 tokens reaches.
+DEFAULT_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 1025, 16))
+
+
+def profiled_steps_reach_captured_graphs(m) -> list:
+    """Each size with a FULL graph, stepped as vLLM's dummy run lays it out
+    (min(size, slots) requests, the tokens dealt evenly): the descriptors
+    dispatched that have no graph."""
+    missing = []
+    for n in sorted({d.num_tokens for d in m.graphs}):
+        reqs = min(n, m.max_num_reqs)
+        uniform = n // reqs if n % reqs == 0 else None
+        d = m.dispatch(reqs, n, uniform, 0, max_query_len=-(-n // reqs))
+        if d.cg_mode == CUDAGraphMode.FULL and d not in m.graphs:
+            missing.append(d)
+    return missing
+
+
+@pytest.mark.parametrize("k,slots", [(3, 1), (3, 2), (3, 4), (1, 8), (5, 2), (7, 1), (7, 64)])
 @pytest.mark.parametrize("limit", [2, None])
-def test_after_a_capture_every_step_dispatches_to_a_captured_graph(monkeypatch, limit):
-    # One request slot, K = 3 (the GPU test's one-slot engine): FULL graphs
-    # for 4, 2 and 1 tokens, the two-token twin second largest. Our cost
-    # profile then times dummy steps at each captured size.
+def test_after_a_capture_every_step_dispatches_to_a_captured_graph(monkeypatch, limit, k, slots):
+    # vLLM's memory profile captures the two largest FULL graphs (limit 2),
+    # then our cost profile steps at each captured size; with few request
+    # slots a uniform twin can share the second largest size (one slot and
+    # K = 3: 4, 2 and 1 tokens, the two-token twin second largest).
     monkeypatch.setattr(CudaGraphManager, "_orig_capture", captured_largest(limit),
                         raising=False)
-    m = manager(True, k=3, max_reqs=1, sizes=[1, 2, 4])
+    sizes = [s for s in DEFAULT_SIZES if s <= slots * (k + 1)]
+    m = manager(True, k=k, max_reqs=slots, sizes=sizes)
     m.capture()
-    sizes = sorted({d.num_tokens for d in m.graphs})
-    assert sizes == ([2, 4] if limit else [1, 2, 4])
-    for n in sizes:  # one request of n tokens, as vLLM's dummy run lays it out
-        d = m.dispatch(1, n, n, 0, max_query_len=n)
-        assert d.cg_mode == CUDAGraphMode.FULL and d in m.graphs, (n, d)
+    assert len(m.graphs) == (2 if limit else len(m._capture_descs[CUDAGraphMode.FULL]))
+    assert profiled_steps_reach_captured_graphs(m) == []
     if limit is None:  # a full capture keeps the twins first
         assert step(m, 1, 1, scheduled_max=1).uniform_token_count == 1
-        assert step(m, 1, 2, scheduled_max=2).uniform_token_count == 2
+        if k > 1:
+            assert step(m, 1, 2, scheduled_max=2).uniform_token_count == 2
 
 
-def test_negative_control_without_the_filter_the_profile_dispatches_to_no_graph():
-    m = manager(True, k=3, max_reqs=1, sizes=[1, 2, 4])
+@pytest.mark.parametrize("k,slots", [(3, 1), (3, 2), (3, 4), (1, 8), (5, 2)])
+def test_negative_control_without_the_filter_the_profile_dispatches_to_no_graph(k, slots):
+    sizes = [s for s in DEFAULT_SIZES if s <= slots * (k + 1)]
+    m = manager(True, k=k, max_reqs=slots, sizes=sizes)
     captured_largest(2)(m)  # vLLM's capture alone, candidates left as built
-    d = m.dispatch(1, 2, 2, 0, max_query_len=2)
-    assert d.uniform_token_count == 2 and d not in m.graphs
+    missing = profiled_steps_reach_captured_graphs(m)
+    assert missing and all(d.uniform_token_count is not None for d in missing)
