@@ -32,11 +32,12 @@ mixed prefill + decode step once per block size of the drafter's input
 kernel, and clears what those steps taught our manager and estimator.
 vLLM's mixed step needs two request slots; an engine with one
 (`max_num_seqs` 1) gets one request's prompt of the same longest query
-instead (`run_prefill_warmup`). Without either, the first step that drafted
-over a long query (at one request, the first exploration, whose drafter
-catches up on the prompt and the tokens it skipped) took 160-350 ms more
-host time in every such engine of ours on the H100 (thirty-eighth and
-thirty-ninth rounds), and none where the mixed steps had run.
+instead (`run_prefill_warmup`), so that the drafter's input kernel meets
+every block size before serving there too. (One-slot engines of ours
+spent 160-350 ms more host time in the batch of their first exploring
+step on the H100, thirty-eighth and thirty-ninth rounds; with these
+prompt steps still 144-208 ms, fortieth round, so that cost is something
+else, not yet found.)
 Nothing here is served: the requests are vLLM's dummy ones, their KV blocks
 are overwritten by the first real requests, and the random seed is reset
 as vLLM resets it.
