@@ -8,9 +8,10 @@ warm-up) under a cost table where drafting never pays, so the policy stays
 at depth 0 and explores now and then, as it did there. Each runner call is
 timed; both calls of each exploring step (the drafter runs in
 `sample_tokens`) and of the step that verifies its drafts run under
-cProfile. Equal
-function-call counts at the first exploration and the later ones mean
-our Python does no one-time work there.
+cProfile, and so does the warm-up. Equal function-call counts at the
+first exploration and the later ones mean our Python does no one-time
+work there; no function called at the first exploration that the warm-up
+did not call means the warm-up walks its whole Python path.
 
     python benchmarks/first_exploration_cpu.py --out first_exploration.json
 
@@ -30,9 +31,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _functions(prof) -> list[str]:
+    import pstats
+
+    return sorted(f"{path}:{name}" for path, _line, name in pstats.Stats(prof).stats)
+
+
+def _warm_profiled(worker) -> dict:
+    """(In the engine.) The served warm-up under cProfile; keeps the
+    functions it called."""
+    import cProfile
+
+    sys.path[:0] = [str(ROOT / "scripts")]
+    import mrv2_cpu_distribution as cpu
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        return cpu.served_warmup(worker)
+    finally:
+        prof.disable()
+        worker._warmup_functions = _functions(prof)
+
+
 def _record(worker) -> bool:
-    """(In the engine.) Time every runner call; profile the sample_tokens
-    call of an exploring step and of the step after it."""
+    """(In the engine.) Time every runner call; profile both calls of an
+    exploring step and of the step after it."""
     import cProfile
     import pstats
 
@@ -51,6 +75,8 @@ def _record(worker) -> bool:
         entry = {"call": name, **fields, "ms": (time.perf_counter() - t) * 1e3}
         if prof:
             entry["function_calls"] = pstats.Stats(prof).total_calls
+            if len(profiles) < 4:  # the first exploration's four calls
+                entry["functions"] = _functions(prof)
             profiles.append(len(calls))
         calls.append(entry)
         return result
@@ -72,7 +98,7 @@ def _record(worker) -> bool:
 
 
 def _calls(worker):
-    return worker._first_exploration[0]
+    return worker._first_exploration[0], worker._warmup_functions
 
 
 def engine(cfg: dict) -> None:
@@ -86,20 +112,22 @@ def engine(cfg: dict) -> None:
     spec = {"method": "draft_model", "model": cfg["draft"], "num_speculative_tokens": cfg["k"],
             "enable_adaptive_verification": True, "draft_sample_method": "probabilistic"}
     llm = cpu.start_engine(cfg["target"], spec, managers, max_num_seqs=1)
-    warm = llm.collective_rpc(cpu.served_warmup)[0]
+    warm = llm.collective_rpc(_warm_profiled)[0]
     llm.collective_rpc(_record)
     params = SamplingParams(temperature=1.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     for _ in range(cfg["requests"]):
         llm.generate([{"prompt_token_ids": cfg["prompt"]}], params, use_tqdm=False)
-    print("RESULT " + json.dumps({"served_warmup": warm,
-                                  "calls": llm.collective_rpc(_calls)[0]}), flush=True)
+    calls, warm_functions = llm.collective_rpc(_calls)[0]
+    print("RESULT " + json.dumps({"served_warmup": warm, "calls": calls,
+                                  "warmup_functions": warm_functions}), flush=True)
 
 
-def summarise(calls: list[dict]) -> dict:
+def summarise(calls: list[dict], warmup_functions: list[str]) -> dict:
     """Per exploring step: the ms and function calls of its execute_model
     ("exploring") and sample_tokens ("drafting") calls and of the next
-    step's ("verifying", "verifying_sample"); the median of the other
-    sample_tokens calls."""
+    step's ("verifying", "verifying_sample"); the functions the first
+    exploration's four calls ran that the warm-up did not; the median of
+    the other sample_tokens calls."""
     steps, i = [], 0
     while i < len(calls):
         c = calls[i]
@@ -115,7 +143,12 @@ def summarise(calls: list[dict]) -> dict:
         i += 1
     plain = sorted(c["ms"] for c in calls if c["call"] == "sample_tokens" and
                    "function_calls" not in c)
-    return {"explorations": steps, "plain_sample_tokens_median_ms":
+    first = set().union(*(c.get("functions", ()) for c in calls))
+    return {"explorations": steps,
+            "first_exploration_functions": len(first),
+            "warmup_functions": len(warmup_functions),
+            "first_exploration_functions_not_in_warmup": sorted(first - set(warmup_functions)),
+            "plain_sample_tokens_median_ms":
             round(plain[len(plain) // 2], 2) if plain else None,
             "steps": sum(c["call"] == "execute_model" for c in calls)}
 
@@ -159,7 +192,8 @@ def main() -> None:
     raw = json.loads(lines[-1][len("RESULT "):])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(sys.argv), "k": K, "prompt_len": len(LONG_PROMPT),
-              "served_warmup": raw["served_warmup"], **summarise(raw["calls"])}
+              "served_warmup": raw["served_warmup"],
+              **summarise(raw["calls"], raw["warmup_functions"])}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
