@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -183,13 +182,7 @@ def main() -> None:
            "prompt": LONG_PROMPT, "max_tokens": args.max_tokens, "requests": args.requests}
     print(f"[first-exploration] {args.requests} requests of {args.max_tokens} tokens; "
           f"engine log in {work}/engine.log", flush=True)
-    with open(work / "engine.log", "w") as log:
-        proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(cfg)],
-                              env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"[first-exploration] engine failed ({proc.returncode}); see {work}/engine.log")
-    raw = json.loads(lines[-1][len("RESULT "):])
+    _, raw = cpu.run_engine_process(__file__, cfg, env, work / "engine.log", "first-exploration")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(sys.argv), "k": K, "prompt_len": len(LONG_PROMPT),
               "served_warmup": raw["served_warmup"],

@@ -151,6 +151,19 @@ def engine_env(costs: Path, **extra: str) -> dict:
                 VLLM_AV_CALIBRATE_COSTS="0", **extra)
 
 
+def run_engine_process(script: str, cfg: dict, env: dict, log: Path, what: str) -> tuple[str, dict]:
+    """Run `script --engine <cfg>` with `env`, its stderr in `log`; returns
+    its stdout and the JSON of its last `RESULT ` line. If it failed or
+    printed none, exits with a message that names `what` and the log."""
+    with open(log, "w") as err:
+        proc = subprocess.run([sys.executable, script, "--engine", json.dumps(cfg)],
+                              env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"[{what}] engine failed ({proc.returncode}); see {log}")
+    return proc.stdout, json.loads(lines[-1][len("RESULT "):])
+
+
 def start_engine(target: str, speculative_config: dict | None, managers: list, seed: int = 0,
                  max_num_seqs: int = 64):
     """(In the engine process, after `_lift_refusals`.) The tiny target's
@@ -323,20 +336,15 @@ def main() -> None:
           f"{'trimming' if args.trim else 'no trimming'}, "
           f"{len(prompt)}-token prompt, N={args.n}; engine log in {work}/engine.log",
           flush=True)
-    with open(work / "engine.log", "w") as log:
-        proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(cfg)],
-                              env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"[mrv2-cpu] engine failed ({proc.returncode}); see {work}/engine.log")
-    plain = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PLAIN_STEPS ")]
-    warmed = [json.loads(l[len("SERVED_WARMUP "):]) for l in proc.stdout.splitlines()
+    stdout, sampled = run_engine_process(__file__, cfg, env, work / "engine.log", "mrv2-cpu")
+    plain = [int(l.split()[1]) for l in stdout.splitlines() if l.startswith("PLAIN_STEPS ")]
+    warmed = [json.loads(l[len("SERVED_WARMUP "):]) for l in stdout.splitlines()
               if l.startswith("SERVED_WARMUP ")]
-    served_by = [json.loads(l[len("SPECULATOR "):]) for l in proc.stdout.splitlines()
+    served_by = [json.loads(l[len("SPECULATOR "):]) for l in stdout.splitlines()
                  if l.startswith("SPECULATOR ")]
     import numpy as np
 
-    tokens = np.array(json.loads(lines[-1][len("RESULT "):]))
+    tokens = np.array(sampled)
     exact = first_tokens_distribution(models.target, prompt, NUM_TOKENS).numpy()
     print(json.dumps({"method": args.method, "variant": args.variant, "trim": args.trim,
                       "prompt_len": len(prompt),

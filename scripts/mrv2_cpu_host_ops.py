@@ -28,7 +28,6 @@ import collections
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -247,7 +246,7 @@ def main() -> None:
         return
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]
-    from mrv2_cpu_distribution import engine_env
+    from mrv2_cpu_distribution import engine_env, run_engine_process
     from tiny_models import build_draft_with_head_size, build_tiny_models
 
     from vllm_av.core.cost_model import CostModel
@@ -272,13 +271,7 @@ def main() -> None:
                "count_ops": args.count_ops,
                "profile": f"{args.profile}.{arm}" if args.profile else None}
         print(f"[host-ops] {arm}: engine log in {work}/{arm}.log", flush=True)
-        with open(work / f"{arm}.log", "w") as log:
-            proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(cfg)],
-                                  env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.exit(f"[host-ops] {arm} failed ({proc.returncode}); see {work}/{arm}.log")
-        res = json.loads(lines[-1][len("RESULT "):])
+        _, res = run_engine_process(__file__, cfg, env, work / f"{arm}.log", f"host-ops {arm}")
         print(f"[host-ops] {arm} (engine {rep + 1}): host ms per step outside forwards and "
               f"Triton: " + ", ".join(f"{p} {v:.3f}" for p, v in
                                       res.get("host_ms_per_step", {}).items()), flush=True)
