@@ -41,8 +41,7 @@ def _warm_profiled(worker) -> dict:
     functions it called."""
     import cProfile
 
-    sys.path[:0] = [str(ROOT / "scripts")]
-    import mrv2_cpu_distribution as cpu
+    import mrv2_cpu_distribution as cpu  # on the path `engine` set
 
     prof = cProfile.Profile()
     prof.enable()
