@@ -16,7 +16,7 @@ from conftest import mrv2_req_states  # noqa: E402
 from vllm_av.core.budget import size_budget  # noqa: E402
 from vllm_av.core.cost_model import CostModel  # noqa: E402
 from vllm_av.core.features import draft_features  # noqa: E402
-from vllm_av.core.selector import select_admitted  # noqa: E402
+from vllm_av.core.selector import compiled_select_admitted, select_admitted  # noqa: E402
 from vllm_av.vllm.config import AVOptions  # noqa: E402
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
 from vllm_av.vllm.mrv2.manager import AVManager  # noqa: E402
@@ -159,6 +159,57 @@ def test_manager_step_admits_top_budget_prefixes_from_current_scores():
     assert admitted.sum() == budget and num_tokens == 3 + budget
     np.testing.assert_array_equal(qsl[: 4], np.concatenate([[0], np.cumsum(admitted + 1)]))
     assert (qsl[4:] == num_tokens).all()
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _old_warm(m):
+    """The warm-up before: fresh tensors (made in inference mode) for the
+    selector alone."""
+    m._select(torch.ones(m.R, K), torch.full((m.R,), K, dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("warm, recompiles", [("admission", False), ("fresh_tensors", True)])
+def test_warmed_admission_leaves_no_compile_to_the_first_trimmed_step(warm, recompiles):
+    """The compiled selector (here with Dynamo's eager backend) guards on
+    its inputs' dispatch keys. The manager's buffers are made outside
+    inference mode, a served step runs in it: the warm-up must call the
+    selector on the same buffers, or the first step that trims recompiles
+    (as on the GPU, where that cost 0.14-0.21 s once). Negative control:
+    the warm-up on fresh tensors leaves that recompile."""
+    torch._dynamo.reset()
+    try:
+        ids = ["a", "b", "c"]
+        m = _manager(ids)  # built outside inference mode, as in the engine
+        m._select = compiled_select_admitted(backend="eager")
+        with torch.inference_mode():  # as at capture, then as vLLM's execute_model
+            m._warm_admission() if warm == "admission" else _old_warm(m)
+            warmed = _graphs_compiled()
+            assert warmed >= 1
+            conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.99, 0.2, 0.9, 0.9]])
+            m.record_confidences(conf, _batch([0, 1, 2]))
+            m.record_confidences(conf, _batch([0, 1, 2]))
+            budget, _, admitted, _, qsl = _step(m, ids, conf, [K, K, K])
+        assert 0 < budget < 3 * K  # trimmed: the device admission ran
+        want = select_admitted(torch.cumprod(conf, 1), torch.full((3,), K), budget).numpy()
+        np.testing.assert_array_equal(admitted, want)
+        assert (_graphs_compiled() > warmed) == recompiles
+    finally:
+        torch._dynamo.reset()
+
+
+def test_admission_warm_up_leaves_vllm_buffers_and_state_untouched():
+    ids = ["a", "b"]
+    m = _manager(ids)
+    m.query_start_loc.fill_(7)
+    with torch.inference_mode():
+        m._warm_admission()
+    assert (m.query_start_loc == 7).all()
+    for buf in (m._layout, m._drafted, m._non_draft):
+        assert not buf.any()
+    assert (m._conf_rows == 1).all()
 
 
 def test_budget_never_reads_the_drafts_being_verified():

@@ -137,20 +137,24 @@ class DevicePrefixSums:
 
 
 @functools.cache
-def _compiled():
+def _compiled(backend: str):
     # dynamic=False: shapes are fixed per (R, K) bucket in a CUDA-graph step,
     # and static shapes let Inductor fuse the whole selection.
-    return torch.compile(select_admitted, fullgraph=True, dynamic=False)
+    return torch.compile(select_admitted, fullgraph=True, dynamic=False, backend=backend)
 
 
-def compiled_select_admitted():
-    """The torch.compile'd select_admitted (compiled once per process).
+def compiled_select_admitted(backend: str = "inductor"):
+    """The torch.compile'd select_admitted (compiled once per process and
+    backend).
 
     The returned callable accepts a Python int budget too; it is turned into
     a 0-d tensor before the compiled graph, so a new budget value does not
     trigger a recompile (an int would be specialised on with dynamic=False).
+    Other tensors must keep their kind between calls: the graph's guards
+    include each input's dispatch keys, which differ between a tensor made
+    in inference mode and one made outside it.
     """
-    fn = _compiled()
+    fn = _compiled(backend)
 
     def call(survival: torch.Tensor, num_drafted: torch.Tensor, budget) -> torch.Tensor:
         if not isinstance(budget, torch.Tensor):

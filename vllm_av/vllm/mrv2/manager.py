@@ -346,7 +346,7 @@ class AVManager:
         if out and self.rank == 0:
             with open(out, "w") as f:
                 f.write(self.cost.to_json())
-        self._warm_selector()
+        self._warm_admission()
 
     def forget_warmup(self) -> None:
         """After warm-up steps run with our AV on (served_warmup.py): the
@@ -367,12 +367,28 @@ class AVManager:
         self.stats = ManagerStats()
         self._ticks = 0
 
-    def _warm_selector(self) -> None:
-        """Compile the selector now (one static shape: all request slots),
-        not at the first served step."""
-        K = self.num_speculative_steps
-        drafted = torch.full((self.R,), K, dtype=torch.int32, device=self.device)
-        self._select(torch.ones(self.R, K, device=self.device), drafted, 1)
+    def _warm_admission(self) -> None:
+        """Run the device admission (`_admit_on_device`) once now, on the
+        buffers served steps use, so that the first served step that trims
+        compiles and loads nothing. The compiled selector guards on its
+        inputs' dispatch keys: a tensor made in inference mode (as a fresh
+        one here would be) and a buffer made outside it (the manager's)
+        differ, so a warm call on fresh tensors left a recompile to the
+        first trimmed step: 0.14-0.21 s once in each one-slot engine on the
+        H100 (fortieth round), under cProfile on the H200 a Dynamo trace and
+        a cache load, beside first launches of `index_select` and of the
+        prefix sums' `mv` (forty-first round). The layout goes to a scratch
+        query_start_loc: vLLM's is not ours to write before serving."""
+        n, K = self.R, self.num_speculative_steps
+        with torch.inference_mode():  # as vLLM's execute_model
+            idx = torch.arange(n, dtype=torch.int32, device=self.device)
+            scratch = torch.zeros_like(self.query_start_loc)
+            self._admit_on_device(idx, np.full(n, K), np.ones(n, dtype=np.int64), 1, n + 1,
+                                  scratch)
+            self._layout.zero_()
+            self._drafted.zero_()
+            self._non_draft.zero_()
+            self._conf_rows.fill_(1.0)
 
     # ------------------------------------------------------------ per step
     def record_confidences(self, confidence_probs: torch.Tensor, input_batch) -> None:
@@ -618,13 +634,24 @@ class AVManager:
         drafts, non_draft = drafts_all[order], non_draft_all[order]
         n = idx_mapping.shape[0]
         num_tokens = int(non_draft.sum()) + budget
-        admitted = self._admitted[:n]
         if budget == 0 or budget == int(drafts.sum()):
             # Every draft or none: the layout is known here, so it goes over
             # with the step's other host inputs (one copy, then one into
             # vLLM's query_start_loc); no device work to wait on.
             self._send_layout(drafts if budget else np.zeros_like(drafts), non_draft, num_tokens)
             return self._cu_num_logits[: n + 1], self.query_start_loc, budget
+        logits = self._admit_on_device(idx_mapping, drafts, non_draft, budget, num_tokens,
+                                       self.query_start_loc)
+        return logits, self.query_start_loc, budget
+
+    def _admit_on_device(self, idx_mapping: torch.Tensor, drafts: np.ndarray,
+                         non_draft: np.ndarray, budget: int, num_tokens: int,
+                         query_start_loc: torch.Tensor) -> torch.Tensor:
+        """The top-`budget` slots by current survival, admitted on the
+        device, and the verify layout: admitted drafts into `_admitted`,
+        offsets into `query_start_loc`; returns cu_num_logits [n + 1]."""
+        n = idx_mapping.shape[0]
+        admitted = self._admitted[:n]
         # Static shape (all R slots; rows past n drafted nothing), so the
         # compiled selector never recompiles. Position-major ranking is
         # unchanged by the padding rows.
@@ -639,9 +666,9 @@ class AVManager:
         # Logits: each request's admitted drafts plus its bonus token; tokens:
         # its admitted drafts plus its own; unused request rows end at the total.
         logits = self._prefix_sums(admitted + self.num_bonus_tokens, self._cu_num_logits)
-        self._prefix_sums(admitted + own, self.query_start_loc)
-        self.query_start_loc[n + 1 :].fill_(num_tokens)
-        return logits, self.query_start_loc, budget
+        self._prefix_sums(admitted + own, query_start_loc)
+        query_start_loc[n + 1 :].fill_(num_tokens)
+        return logits
 
     def _send_layout(self, admitted: np.ndarray, non_draft: np.ndarray, num_tokens: int) -> None:
         """Admitted drafts, cu_num_logits and query_start_loc of a layout
