@@ -36,8 +36,9 @@ instead (`run_prefill_warmup`), so that the drafter's input kernel meets
 every block size before serving there too. (One-slot engines of ours
 spent 160-350 ms more host time in the batch of their first exploring
 step on the H100, thirty-eighth and thirty-ninth rounds; with these
-prompt steps still 144-208 ms, fortieth round, so that cost is something
-else, not yet found.)
+prompt steps still 144-208 ms, fortieth round: that cost was the
+selector's recompile at the first step that trimmed drafts, which the
+manager's own warm-up now leaves to start-up, `AVManager._warm_admission`.)
 Nothing here is served: the requests are vLLM's dummy ones, their KV blocks
 are overwritten by the first real requests, and the random seed is reset
 as vLLM resets it.
