@@ -371,14 +371,11 @@ class AVManager:
         """Run the device admission (`_admit_on_device`) once now, on the
         buffers served steps use, so that the first served step that trims
         compiles and loads nothing. The compiled selector guards on its
-        inputs' dispatch keys: a tensor made in inference mode (as a fresh
-        one here would be) and a buffer made outside it (the manager's)
-        differ, so a warm call on fresh tensors left a recompile to the
-        first trimmed step: 0.14-0.21 s once in each one-slot engine on the
-        H100 (fortieth round), under cProfile on the H200 a Dynamo trace and
-        a cache load, beside first launches of `index_select` and of the
-        prefix sums' `mv` (forty-first round). The layout goes to a scratch
-        query_start_loc: vLLM's is not ours to write before serving."""
+        inputs' dispatch keys, which differ between a tensor made in
+        inference mode (a fresh one here) and the manager's buffers (made
+        outside it): a warm call on fresh tensors left a recompile to the
+        first trimmed step (docs/RESULTS.md, forty-first round). The layout
+        goes to a scratch query_start_loc: vLLM's is not ours to write."""
         n, K = self.R, self.num_speculative_steps
         with torch.inference_mode():  # as vLLM's execute_model
             idx = torch.arange(n, dtype=torch.int32, device=self.device)
