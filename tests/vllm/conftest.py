@@ -19,23 +19,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
-
-def mrv2_req_states(ids, K, max_num_reqs):
-    """The fields of Model Runner V2's request states our MRV2 manager reads,
-    on the CPU: requests `ids` in slots 0.., every one past its prompt."""
-    from types import SimpleNamespace
-
-    import numpy as np
-    import torch
-
-    return SimpleNamespace(
-        num_speculative_steps=K, device=torch.device("cpu"), max_num_reqs=max_num_reqs,
-        max_num_batched_tokens=64, req_id_to_index={r: i for i, r in enumerate(ids)},
-        num_computed_tokens_np=np.full(max_num_reqs, 100, dtype=np.int32),
-        prefill_len=SimpleNamespace(np=np.full(max_num_reqs, 10, dtype=np.int32)),
-        all_token_ids=SimpleNamespace(gpu=torch.zeros(max_num_reqs, 128, dtype=torch.int32)),
-    )
-
+sys.path.insert(0, str(HERE.parent))  # mrv2_fakes, shared with tests/gpu
 
 # A small KV cache so engines fit beside each other.
 KV_CACHE_BYTES = 256 << 20

@@ -12,7 +12,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import mrv2_req_states  # noqa: E402
+from mrv2_fakes import K, R_MAX, first_trimmed_step, make_manager, mrv2_req_states  # noqa: E402
+from mrv2_fakes import batch as _batch, manager_step as _step  # noqa: E402
+from mrv2_fakes import steep_cost as _cost  # noqa: E402
 from vllm_av.core.budget import size_budget  # noqa: E402
 from vllm_av.core.cost_model import CostModel  # noqa: E402
 from vllm_av.core.features import draft_features  # noqa: E402
@@ -26,9 +28,6 @@ from vllm_av.vllm.mrv2.patches import (  # noqa: E402
     MRV2FactoryPatch,
     mrv2_available,
 )
-
-K = 4
-R_MAX = 8
 
 
 # ------------------------------------------------------------- interface
@@ -99,45 +98,8 @@ def _req_states(ids):
     return mrv2_req_states(ids, K, R_MAX)
 
 
-def _cost():
-    # Flat verification up to 8 tokens, then steep: the budget must bind.
-    verify = {1: [1.0], 4: [1.0], 8: [1.0], 9: [3.0], 64: [30.0]}
-    return CostModel.from_samples(verify, {1: [0.5], 8: [0.5]})
-
-
-def _batch(idx):
-    idx = np.asarray(idx, dtype=np.int64)
-    return SimpleNamespace(num_reqs=len(idx), idx_mapping=torch.from_numpy(idx),
-                           idx_mapping_np=idx)
-
-
 def _manager(ids, estimator=None, req_states=None):
-    rs = req_states if req_states is not None else _req_states(ids)
-    qsl = torch.zeros(R_MAX + 1, dtype=torch.int32)
-    m = AVManager(rs, qsl, num_bonus_tokens=1, max_total_logits=10_000,
-                  options=AVOptions(metrics_dir=""))
-    m.cost = _cost()
-    for i in range(len(ids)):
-        m.add_request(i)
-    return m
-
-
-def _step(m, ids, conf, drafts):
-    """One engine step: budget from stale scores, compaction, selection."""
-    per_req = {r: 1 + d for r, d in zip(ids, drafts)}
-    draft_tokens = {r: [0] * d for r, d in zip(ids, drafts) if d}
-    num_tokens = m.get_num_tokens(per_req, draft_tokens)
-    budget = m._batch[3]
-    sched = np.array([per_req[r] for r in ids], dtype=np.int32)
-    nd = np.array(drafts, dtype=np.int32)
-    cu_np = np.concatenate([[0], np.cumsum(nd + 1)]).astype(np.int32)
-    compact, _ = m.compact_batch(nd, sched, cu_np)
-    assert int(compact.sum()) == num_tokens
-    idx = torch.tensor([m.req_states.req_id_to_index[r] for r in ids])
-    cu, qsl, b = m.reallocate_drafts(ids, idx)
-    assert b == budget
-    admitted = (cu[1:] - cu[:-1] - 1).numpy()
-    return budget, num_tokens, admitted, cu.numpy(), qsl.numpy()
+    return make_manager(ids, req_states=req_states)
 
 
 def test_manager_step_admits_top_budget_prefixes_from_current_scores():
@@ -147,7 +109,7 @@ def test_manager_step_admits_top_budget_prefixes_from_current_scores():
     m.record_confidences(first, _batch([0, 1, 2]))
     second = torch.tensor([[0.95, 0.9, 0.8, 0.7], [0.3, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.1]])
     m.record_confidences(second, _batch([0, 1, 2]))
-    budget, num_tokens, admitted, cu, qsl = _step(m, ids, second, [K, K, K])
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, [K, K, K])
 
     # The budget came from the FIRST step's scores (stale), via our sizer.
     stale = torch.cumprod(first, 1).numpy().ravel()
@@ -161,16 +123,6 @@ def test_manager_step_admits_top_budget_prefixes_from_current_scores():
     assert (qsl[4:] == num_tokens).all()
 
 
-def _graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def _old_warm(m):
-    """The warm-up before: fresh tensors (made in inference mode) for the
-    selector alone."""
-    m._select(torch.ones(m.R, K), torch.full((m.R,), K, dtype=torch.int32), 1)
-
-
 @pytest.mark.parametrize("warm, recompiles", [("admission", False), ("fresh_tensors", True)])
 def test_warmed_admission_leaves_no_compile_to_the_first_trimmed_step(warm, recompiles):
     """The compiled selector (here with Dynamo's eager backend) guards on
@@ -178,24 +130,18 @@ def test_warmed_admission_leaves_no_compile_to_the_first_trimmed_step(warm, reco
     inference mode, a served step runs in it: the warm-up must call the
     selector on the same buffers, or the first step that trims recompiles
     (as on the GPU, where that cost 0.14-0.21 s once). Negative control:
-    the warm-up on fresh tensors leaves that recompile."""
+    the warm-up on fresh tensors leaves that recompile. The same on a GPU
+    with inductor: tests/gpu/test_gpu_admission_warmup.py."""
     torch._dynamo.reset()
     try:
         ids = ["a", "b", "c"]
         m = _manager(ids)  # built outside inference mode, as in the engine
         m._select = compiled_select_admitted(backend="eager")
-        with torch.inference_mode():  # as at capture, then as vLLM's execute_model
-            m._warm_admission() if warm == "admission" else _old_warm(m)
-            warmed = _graphs_compiled()
-            assert warmed >= 1
-            conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.99, 0.2, 0.9, 0.9]])
-            m.record_confidences(conf, _batch([0, 1, 2]))
-            m.record_confidences(conf, _batch([0, 1, 2]))
-            budget, _, admitted, _, qsl = _step(m, ids, conf, [K, K, K])
+        budget, admitted, want, warm_graphs, step_graphs = first_trimmed_step(m, ids, warm)
+        assert warm_graphs >= 1
         assert 0 < budget < 3 * K  # trimmed: the device admission ran
-        want = select_admitted(torch.cumprod(conf, 1), torch.full((3,), K), budget).numpy()
         np.testing.assert_array_equal(admitted, want)
-        assert (_graphs_compiled() > warmed) == recompiles
+        assert (step_graphs > 0) == recompiles
     finally:
         torch._dynamo.reset()
 
@@ -219,7 +165,7 @@ def test_budget_never_reads_the_drafts_being_verified():
         m = _manager(ids)
         m.record_confidences(torch.full((2, K), 0.8), _batch([0, 1]))
         m.record_confidences(torch.full((2, K), current), _batch([0, 1]))
-        budgets.append(_step(m, ids, None, [K, K])[0])
+        budgets.append(_step(m, ids, [K, K])[0])
     assert budgets[0] == budgets[1]
 
 
@@ -305,12 +251,12 @@ def test_zero_and_full_budgets():
     m.cost = CostModel.from_samples({1: [1.0], 64: [1000.0]}, {1: [0.0]})  # verifying hurts
     m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
     m.record_confidences(torch.full((2, K), 0.1), _batch([0, 1]))
-    budget, num_tokens, admitted, cu, qsl = _step(m, ids, None, [K, K])
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, [K, K])
     assert budget == 0 and num_tokens == 2 and admitted.tolist() == [0, 0]
     assert qsl[:3].tolist() == [0, 1, 2] and (qsl[3:] == 2).all()
     assert m._admitted[:2].tolist() == [0, 0]
     m.cost = CostModel.from_samples({1: [1.0], 64: [1.0]}, {1: [0.0]})  # verifying is free
-    budget, num_tokens, admitted, cu, qsl = _step(m, ids, None, [K, 2])
+    budget, num_tokens, admitted, cu, qsl = _step(m, ids, [K, 2])
     assert budget == K + 2 and admitted.tolist() == [K, 2]
     # The layout sent from the host: offsets of each request's tokens, the
     # rows past the batch at the total; the device's admitted counts.

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import mrv2_req_states  # noqa: E402
+from mrv2_fakes import mrv2_req_states  # noqa: E402
 from vllm_av.vllm.config import AVOptions  # noqa: E402
 from vllm_av.vllm.mrv1.scheduled_depth import local_verifier, register_local_verifier  # noqa: E402
 from vllm_av.vllm.mrv2.depth import MRV2DraftDepthPatch  # noqa: E402

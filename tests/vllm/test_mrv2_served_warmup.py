@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import mrv2_req_states  # noqa: E402
+from mrv2_fakes import mrv2_req_states  # noqa: E402
 from vllm_av.core.cost_model import CostModel  # noqa: E402
 from vllm_av.vllm.config import AVOptions  # noqa: E402
 from vllm_av.vllm.mrv2.estimator import AcceptanceEstimator  # noqa: E402
