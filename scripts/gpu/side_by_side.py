@@ -340,6 +340,50 @@ def python_speed(worker, runs: int = 7, n: int = 20000) -> dict:
             "gc_collections": [g["collections"] for g in gc.get_stats()]}
 
 
+def process_cpu(worker) -> dict:
+    """(In the engine process.) CPU seconds so far of each of its threads
+    (by name) and of each of its child processes (by command), from /proc
+    where the platform has it: a batch's difference names what ran beside
+    the stepping thread (a thread holding the GIL, a worker pool)."""
+    import os as _os
+
+    def cpu_s(stat_path: str) -> float:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _os.sysconf("SC_CLK_TCK")
+
+    out = {"threads": {}, "children": {}}
+    try:
+        for tid in _os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            key = f"{name} ({tid})"
+            out["threads"][key] = cpu_s(f"/proc/self/task/{tid}/stat")
+            with open(f"/proc/self/task/{tid}/children") as f:
+                for pid in f.read().split():
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        cmd = c.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+                    # Own time and that of its ended children (a pool's).
+                    with open(f"/proc/{pid}/stat") as st:
+                        fields = st.read().rsplit(")", 1)[1].split()
+                    ticks = sum(int(x) for x in fields[11:15])
+                    out["children"][f"{cmd} ({pid})"] = ticks / _os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cpu_during(before: dict, after: dict, top: int = 5) -> dict:
+    """The threads and child processes that used the most CPU between two
+    `process_cpu` samples (new ones count from zero), in seconds."""
+    out = {}
+    for kind in ("threads", "children"):
+        d = {k: v - before.get(kind, {}).get(k, 0.0) for k, v in after.get(kind, {}).items()}
+        out[kind] = dict(sorted(((k, round(v, 3)) for k, v in d.items() if v > 0),
+                                key=lambda kv: -kv[1])[:top])
+    return out
+
+
 def take_totals(worker) -> dict:
     """(In the engine process.) phase -> [calls, ms] since the last take;
     with spans, "gpu_span" -> [steps, ms of GPU span]."""
@@ -413,14 +457,19 @@ def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path,
     for name in arms:
         llm = engines[name]
         llm.collective_rpc(start_cprofile)
+        cpu0 = llm.collective_rpc(process_cpu)[0]
         run = run_batch(llm, prompts, args.max_tokens)
+        cpu = cpu_during(cpu0, llm.collective_rpc(process_cpu)[0])
         path = str(out_dir / f"{prefix}{name}_c{len(prompts)}.pstats")
         llm.collective_rpc(stop_cprofile, args=(path,))
         every[name] = cprofile_rows(path, run["steps"])
-        rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"],
-                      "functions": top_rows(every[name])}
+        rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"], "host": run["host"],
+                      "engine_cpu_s": cpu, "functions": top_rows(every[name])}
         print(f"[cprofile C={len(prompts)}] {name}: {run['steps']} steps, "
-              f"{run['ms_per_step']:.2f} ms/step under the profiler; stats in {path}",
+              f"{run['ms_per_step']:.2f} ms/step under the profiler; stats in {path}; "
+              f"host busy CPUs {run['host'].get('busy_cpus', float('nan')):.1f}; engine CPU s "
+              + "; ".join(f"{k}: " + ", ".join(f"{n} {v:.2f}" for n, v in list(d.items())[:3])
+                          for k, d in cpu.items() if d),
               flush=True)
     for name in arms[1:]:
         # Over every function: one in the other arm's top list only is not

@@ -788,7 +788,7 @@ def test_profiled_batches_are_named_by_tag_and_diffed_against_the_first_arm(tmp_
 
     def run_batch(llm, prompts, max_tokens, *rest):
         llm.work()
-        return {"steps": 4, "tok_s": 1.0, "ms_per_step": 1.0}
+        return {"steps": 4, "tok_s": 1.0, "ms_per_step": 1.0, "host": {"busy_cpus": 1.0}}
 
     monkeypatch.setattr(side_by_side, "run_batch", run_batch)
     engines = {"plain": Engine(lambda: None), "ours": Engine(lambda: busy(200_000))}
@@ -799,5 +799,43 @@ def test_profiled_batches_are_named_by_tag_and_diffed_against_the_first_arm(tmp_
         "cprofile_first_ours_c2.pstats", "cprofile_first_plain_c2.pstats"]
     top = rows["ours"]["diff_over_plain"][0]
     assert top["function"].endswith(" busy") and top["tottime_ms_per_step_delta"] > 0
+    # The batch's host and the engine process's CPU by thread and child.
+    assert rows["ours"]["host"] == {"busy_cpus": 1.0}
+    assert set(rows["ours"]["engine_cpu_s"]) == {"threads", "children"}
     side_by_side.profile_arms(engines, ["plain"], ["p"], args, tmp_path)  # no tag
     assert (tmp_path / "cprofile_plain_c1.pstats").is_file()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_process_cpu_names_the_thread_and_the_child_that_ran_beside_the_caller():
+    import subprocess
+    import threading
+
+    done = threading.Event()
+
+    def spin_then_wait():
+        while time.thread_time() < 0.3:
+            pass
+        done.wait()  # alive when sampled: a thread that ended is gone from /proc
+
+    before = side_by_side.process_cpu(None)
+    busy = threading.Thread(target=spin_then_wait)
+    busy.start()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nt=time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\ntime.sleep(5)"])
+    time.sleep(1.5)  # both have spun; the child sleeps, still a child when sampled
+    after = side_by_side.process_cpu(None)
+    done.set()
+    busy.join()
+    child.kill()
+    child.wait()
+    got = side_by_side.cpu_during(before, after)
+    # Threads by their OS name and id (Python's names stay in Python).
+    thread, seconds = next(iter(got["threads"].items()))
+    assert thread.endswith(f"({busy.native_id})") and seconds >= 0.25, got
+    (cmd, child_s), = got["children"].items()
+    assert cmd.startswith(sys.executable) and child_s >= 0.25, got
+    # An idle interval names nothing.
+    same = side_by_side.process_cpu(None)
+    assert side_by_side.cpu_during(same, same) == {"threads": {}, "children": {}}
