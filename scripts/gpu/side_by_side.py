@@ -463,11 +463,17 @@ def profile_arms(engines: dict, arms: list[str], prompts, args, out_dir: Path,
         path = str(out_dir / f"{prefix}{name}_c{len(prompts)}.pstats")
         llm.collective_rpc(stop_cprofile, args=(path,))
         every[name] = cprofile_rows(path, run["steps"])
+        # Phases too: the collector's time (gc_gen*) is spread by cProfile
+        # over whichever functions it interrupted.
         rows[name] = {"steps": run["steps"], "tok_s": run["tok_s"], "host": run["host"],
-                      "engine_cpu_s": cpu, "functions": top_rows(every[name])}
+                      "phases": run.get("phases", {}), "engine_cpu_s": cpu,
+                      "functions": top_rows(every[name])}
         print(f"[cprofile C={len(prompts)}] {name}: {run['steps']} steps, "
               f"{run['ms_per_step']:.2f} ms/step under the profiler; stats in {path}; "
-              f"host busy CPUs {run['host'].get('busy_cpus', float('nan')):.1f}; engine CPU s "
+              f"host busy CPUs {run['host'].get('busy_cpus', float('nan')):.1f}; "
+              + "".join(f"{k} {v['ms_per_step']:.3f} ms/step; "
+                        for k, v in sorted(run.get("phases", {}).items()) if k.startswith("gc_"))
+              + "engine CPU s "
               + "; ".join(f"{k}: " + ", ".join(f"{n} {v:.2f}" for n, v in list(d.items())[:3])
                           for k, d in cpu.items() if d),
               flush=True)

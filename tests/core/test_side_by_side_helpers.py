@@ -788,7 +788,8 @@ def test_profiled_batches_are_named_by_tag_and_diffed_against_the_first_arm(tmp_
 
     def run_batch(llm, prompts, max_tokens, *rest):
         llm.work()
-        return {"steps": 4, "tok_s": 1.0, "ms_per_step": 1.0, "host": {"busy_cpus": 1.0}}
+        return {"steps": 4, "tok_s": 1.0, "ms_per_step": 1.0, "host": {"busy_cpus": 1.0},
+                "phases": {"gc_gen2": {"calls": 1, "ms_per_step": 0.5}}}
 
     monkeypatch.setattr(side_by_side, "run_batch", run_batch)
     engines = {"plain": Engine(lambda: None), "ours": Engine(lambda: busy(200_000))}
@@ -799,8 +800,10 @@ def test_profiled_batches_are_named_by_tag_and_diffed_against_the_first_arm(tmp_
         "cprofile_first_ours_c2.pstats", "cprofile_first_plain_c2.pstats"]
     top = rows["ours"]["diff_over_plain"][0]
     assert top["function"].endswith(" busy") and top["tottime_ms_per_step_delta"] > 0
-    # The batch's host and the engine process's CPU by thread and child.
+    # The batch's host, phases (the collector's) and the engine process's
+    # CPU by thread and child.
     assert rows["ours"]["host"] == {"busy_cpus": 1.0}
+    assert rows["ours"]["phases"]["gc_gen2"]["ms_per_step"] == 0.5
     assert set(rows["ours"]["engine_cpu_s"]) == {"threads", "children"}
     side_by_side.profile_arms(engines, ["plain"], ["p"], args, tmp_path)  # no tag
     assert (tmp_path / "cprofile_plain_c1.pstats").is_file()
