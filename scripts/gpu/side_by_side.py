@@ -347,29 +347,31 @@ def process_cpu(worker) -> dict:
     the stepping thread (a thread holding the GIL, a worker pool)."""
     import os as _os
 
-    def cpu_s(stat_path: str) -> float:
+    tick = _os.sysconf("SC_CLK_TCK")
+
+    def cpu_s(stat_path: str, fields_to: int) -> float:
+        # utime, stime (and with 15: the ended children's, a pool's).
         with open(stat_path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _os.sysconf("SC_CLK_TCK")
+        return sum(int(x) for x in fields[11:fields_to]) / tick
 
     out = {"threads": {}, "children": {}}
-    try:
-        for tid in _os.listdir("/proc/self/task"):
+    for tid in _os.listdir("/proc/self/task") if _os.path.isdir("/proc/self/task") else ():
+        try:  # one that ends meanwhile is left out, not the whole sample
             with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            key = f"{name} ({tid})"
-            out["threads"][key] = cpu_s(f"/proc/self/task/{tid}/stat")
+                out["threads"][f"{f.read().strip()} ({tid})"] = cpu_s(
+                    f"/proc/self/task/{tid}/stat", 13)
             with open(f"/proc/self/task/{tid}/children") as f:
-                for pid in f.read().split():
-                    with open(f"/proc/{pid}/cmdline", "rb") as c:
-                        cmd = c.read().replace(b"\0", b" ").decode(errors="replace")[:80]
-                    # Own time and that of its ended children (a pool's).
-                    with open(f"/proc/{pid}/stat") as st:
-                        fields = st.read().rsplit(")", 1)[1].split()
-                    ticks = sum(int(x) for x in fields[11:15])
-                    out["children"][f"{cmd} ({pid})"] = ticks / _os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
+                pids = f.read().split()
+        except (OSError, ValueError, IndexError):
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    cmd = c.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+                out["children"][f"{cmd} ({pid})"] = cpu_s(f"/proc/{pid}/stat", 15)
+            except (OSError, ValueError, IndexError):
+                continue
     return out
 
 
