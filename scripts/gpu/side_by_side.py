@@ -427,8 +427,16 @@ def cprofile_rows(path: str, steps: int) -> dict:
     stats = pstats.Stats(path).stats
     rows = {}
     for (file, line, name), (_, calls, tt, ct, _callers) in stats.items():
+        # A wrapped builtin is named with its address ("<function
+        # Event.record at 0x7f...>"), which differs between processes: left
+        # in, the same function would read as one arm's gain and the other's
+        # loss.
+        name = re.sub(r" at 0x[0-9a-f]+", "", name)
         key = f"{file.split('site-packages/')[-1].replace(str(REPO) + '/', '')}:{line} {name}"
-        rows[key] = [calls / steps, tt * 1e3 / steps, ct * 1e3 / steps]
+        row = rows.setdefault(key, [0.0, 0.0, 0.0])
+        row[0] += calls / steps
+        row[1] += tt * 1e3 / steps
+        row[2] += ct * 1e3 / steps
     return rows
 
 

@@ -170,6 +170,33 @@ def test_profile_rows_are_per_step_and_the_difference_finds_the_slower_function(
                      "base": [0.0, 0.0, 0.0], "other": [1.0, 2.0, 2.0]}]
 
 
+def _stats_file(tmp_path, name: str, stats: dict) -> str:
+    import marshal
+
+    path = tmp_path / f"{name}.pstats"
+    path.write_bytes(marshal.dumps(stats))  # the format pstats.Stats reads
+    return str(path)
+
+
+def test_profile_rows_name_a_wrapped_builtin_alike_in_every_process(tmp_path):
+    # The same builtin, named with a different address in each process,
+    # and twice within one process: one row, its calls and times summed.
+    def record(address, calls, own_s):
+        return ("~", 0, f"<function Event.record at {address}>"), (calls, calls, own_s, own_s, {})
+
+    a = dict([record("0x7f120cfd22a0", 4, 0.004)])
+    b = dict([record("0x7fa33a5de2a0", 4, 0.004), record("0x7fa33a5de520", 4, 0.002)])
+    rows_a = side_by_side.cprofile_rows(_stats_file(tmp_path, "a", a), steps=4)
+    rows_b = side_by_side.cprofile_rows(_stats_file(tmp_path, "b", b), steps=4)
+    key = "~:0 <function Event.record>"
+    assert list(rows_a) == [key] and list(rows_b) == [key]
+    assert rows_a[key] == pytest.approx([1.0, 1.0, 1.0])
+    assert rows_b[key] == pytest.approx([2.0, 1.5, 1.5])
+    diff = side_by_side.cprofile_diff(rows_a, rows_b)
+    assert [d["function"] for d in diff] == [key]
+    assert diff[0]["tottime_ms_per_step_delta"] == pytest.approx(0.5)
+
+
 def test_eager_engines_are_refused_up_front_for_arms_with_adaptive_verification():
     assert side_by_side.eager_refusal({"nospec": None, "k1g": {"method": "draft_model"}}) is None
     why = side_by_side.eager_refusal({
