@@ -1,9 +1,12 @@
 """PNG plot of a side-by-side run (scripts/gpu/side_by_side.py): each arm's
 paired tokens/s over the first arm against concurrency, the median of the
 repeats with their min-max range as a bar. The line at 1 is the first arm
-(usually no speculation); a bar that crosses it ranks nothing.
+(usually no speculation); a bar that crosses it ranks nothing. Given a
+pooled JSON (`side_by_side.py --pool ... --out pooled.json`) it plots each
+group's ratio with the engine as the unit and its 90% t interval instead.
 
     python benchmarks/plot_side_by_side.py <run>/side_by_side.json [out.png]
+    python benchmarks/plot_side_by_side.py <run>/pooled.json [out.png]
 """
 
 from __future__ import annotations
@@ -29,13 +32,30 @@ def ratio_series(result: dict) -> tuple[str, dict[str, list[tuple[int, float, fl
     return base, series
 
 
+def engine_series(pooled: dict) -> tuple[str, dict[str, list[tuple[int, float, float, float]]]]:
+    """(base group, group -> [(C, ratio, lower, upper)] by concurrency) from
+    a pooled result: each group's ratio over the base with the engine as
+    the unit, and its 90% t interval."""
+    series: dict[str, list] = {}
+    bases = set()
+    for c in sorted(pooled["by_concurrency"], key=int):
+        for key, row in pooled["by_concurrency"][c].items():
+            if not key.endswith("_by_engine"):
+                continue
+            group, base = key[: -len("_by_engine")].split("_over_")
+            bases.add(base)
+            series.setdefault(group, []).append((int(c), row["ratio"], *row["ci90"]))
+    return "/".join(sorted(bases)) or "?", series
+
+
 def plot(result: dict, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base, series = ratio_series(result)
+    pooled = "sittings" in result
+    base, series = engine_series(result) if pooled else ratio_series(result)
     fig, ax = plt.subplots(figsize=(8, 5))
     n = max(len(series), 1)
     for i, (arm, pts) in enumerate(series.items()):
@@ -50,13 +70,18 @@ def plot(result: dict, out: Path) -> Path:
     concurrencies = sorted({p[0] for pts in series.values() for p in pts})
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel(f"tokens/s over {base} (paired; median, min-max)")
-    # A summary rebuilt from a cut-off run's log counts full repeats per C.
-    per_c = {c: v["repeats"] for c, v in result["by_concurrency"].items() if "repeats" in v}
-    repeats = (", ".join(f"C={c}: {n}" for c, n in per_c.items()) if per_c
-               else result.get("repeats", "?"))
-    ax.set_title(f"{result.get('machine', {}).get('device', '')}, "
-                 f"{repeats} repeats, {result.get('date', '')}")
+    if pooled:
+        ax.set_ylabel(f"tokens/s over {base} (by engine; 90% t interval)")
+        ax.set_title(f"{len(result['sittings'])} run(s): "
+                     + ", ".join(Path(p).parent.name for p in result["sittings"])[:90])
+    else:
+        ax.set_ylabel(f"tokens/s over {base} (paired; median, min-max)")
+        # A summary rebuilt from a cut-off run's log counts full repeats per C.
+        per_c = {c: v["repeats"] for c, v in result["by_concurrency"].items() if "repeats" in v}
+        repeats = (", ".join(f"C={c}: {n}" for c, n in per_c.items()) if per_c
+                   else result.get("repeats", "?"))
+        ax.set_title(f"{result.get('machine', {}).get('device', '')}, "
+                     f"{repeats} repeats, {result.get('date', '')}")
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -39,3 +39,31 @@ def test_the_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     out = plot_side_by_side.plot(_result(), tmp_path / "ratios.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _pooled():
+    def engine(ratio, lo, hi):
+        return {"ratio": ratio, "ci90": [lo, hi], "engines": [[3, 3]]}
+
+    return {
+        "sittings": ["runs/r43/side_by_side.json"], "base": {"1": "nospec"},
+        "by_concurrency": {
+            "32": {"ours_over_nospec_by_engine": engine(0.90, 0.87, 0.95),
+                   "ours_over_nospec_by_repeat": {"median": 0.92, "ci90": [0.9, 0.97]}},
+            "1": {"ours_over_nospec_by_engine": engine(0.95, 0.93, 0.97),
+                  "control_over_nospec_by_engine": engine(1.01, 0.98, 1.03)},
+        },
+    }
+
+
+def test_a_pooled_run_plots_each_group_by_engine_with_its_interval():
+    base, series = plot_side_by_side.engine_series(_pooled())
+    assert base == "nospec"
+    assert series == {"ours": [(1, 0.95, 0.93, 0.97), (32, 0.90, 0.87, 0.95)],
+                      "control": [(1, 1.01, 0.98, 1.03)]}
+
+
+def test_the_pooled_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = plot_side_by_side.plot(_pooled(), tmp_path / "by_engine.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
