@@ -170,8 +170,8 @@ def test_after_a_capture_every_step_dispatches_to_a_captured_graph(monkeypatch, 
     # then our cost profile steps at each captured size; with few request
     # slots a uniform twin can share the second largest size (one slot and
     # K = 3: 4, 2 and 1 tokens, the two-token twin second largest).
-    monkeypatch.setattr(CudaGraphManager, "_orig_capture", captured_largest(limit),
-                        raising=False)
+    monkeypatch.setitem(MRV2UniformDecodeGraphsPatch._originals, "capture",
+                        captured_largest(limit))
     sizes = [s for s in DEFAULT_SIZES if s <= slots * (k + 1)]
     m = manager(True, k=k, max_reqs=slots, sizes=sizes)
     m.capture()

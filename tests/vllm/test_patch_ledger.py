@@ -103,3 +103,171 @@ def test_gpu_registration_never_imports_cpu_worker_modules():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def _patches_applied_together(p1, p2) -> bool:
+    """Whether two patches can be applied in one process (their platforms meet)."""
+    return not p1.platforms or not p2.platforms or bool(set(p1.platforms) & set(p2.platforms))
+
+
+def test_a_patched_method_that_a_patched_subclass_reaches_calls_its_own_original():
+    """Where one patch replaces Base.name and another Sub.name (Sub a
+    subclass of Base), Sub's original reaches Base's replacement through
+    `super()`, with `self` a Sub: there `type(self)._orig_<name>` is Sub's
+    original, not Base's (V2's EAGLE and MTP graph capture called the
+    speculator's own capture again with the arguments of vLLM's base
+    capture; the test below). Such a replacement must call
+    `<Patch>.original(name)`."""
+    import inspect
+
+    patches = [(p, p.resolve_target()) for p in all_patches()]
+    offenders = []
+    for base_patch, base in patches:
+        for sub_patch, sub in patches:
+            if (base_patch is sub_patch or sub is base or not isinstance(base, type)
+                    or not isinstance(sub, type) or not issubclass(sub, base)
+                    or not _patches_applied_together(base_patch, sub_patch)):
+                continue
+            for name in set(base_patch.attributes) & set(sub_patch.attributes):
+                code = "\n".join(line.split("#")[0] for line in
+                                 inspect.getsource(vars(base_patch)[name]).splitlines())
+                if f"type(self)._orig_{name}" in code:
+                    offenders.append(f"{base_patch.__name__}.{name} (subclass patched by "
+                                     f"{sub_patch.__name__})")
+    assert not offenders, offenders
+
+
+def _probe_hierarchy(monkeypatch):
+    """A throwaway Base and Sub whose own `f` calls Base's through super()
+    with fewer arguments, as vLLM's speculator graph manager calls its base
+    class's capture."""
+    import sys
+    import types
+
+    mod = types.ModuleType("vllm_av_hierarchy_probe")
+
+    class Base:
+        def f(self, a):
+            return f"base({a})"
+
+    class Sub(Base):
+        def f(self, a, b):
+            return "sub>" + super().f(a + b)
+
+    mod.Base, mod.Sub = Base, Sub
+    monkeypatch.setitem(sys.modules, "vllm_av_hierarchy_probe", mod)
+    return mod
+
+
+def _sub_patch():
+    """A patch on the probe's Sub.f, written as our patches are."""
+    from vllm_av.vllm.patching import VllmPatch
+
+    class PatchSub(VllmPatch):
+        target = "vllm_av_hierarchy_probe:Sub"
+        attributes = ("f",)
+
+        def f(self, a, b):
+            return "<" + type(self)._orig_f(self, a, b) + ">"
+
+    return PatchSub
+
+
+def test_original_reaches_the_patched_class_own_original_from_a_patched_subclass(monkeypatch):
+    from vllm_av.vllm.patching import VllmPatch, apply_patch, revert_patch
+
+    mod = _probe_hierarchy(monkeypatch)
+
+    class PatchBase(VllmPatch):
+        target = "vllm_av_hierarchy_probe:Base"
+        attributes = ("f",)
+
+        def f(self, a):
+            return "[" + PatchBase.original("f")(self, a) + "]"
+
+    PatchSub = _sub_patch()
+
+    try:
+        apply_patch(PatchBase)
+        apply_patch(PatchSub)
+        assert mod.Sub().f("x", "y") == "<sub>[base(xy)]>"
+        assert mod.Base().f("x") == "[base(x)]"
+    finally:
+        revert_patch(PatchSub)
+        revert_patch(PatchBase)
+    assert mod.Sub().f("x", "y") == "sub>base(xy)"
+    assert "_originals" not in vars(PatchBase) or not PatchBase._originals
+
+
+def test_type_self_orig_from_a_patched_subclass_finds_the_subclass_original(monkeypatch):
+    """Negative control for the two tests above: the same base patch written
+    with `type(self)._orig_f` calls Sub's original with Base's arguments."""
+    from vllm_av.vllm.patching import VllmPatch, apply_patch, revert_patch
+
+    mod = _probe_hierarchy(monkeypatch)
+
+    class PatchBase(VllmPatch):
+        target = "vllm_av_hierarchy_probe:Base"
+        attributes = ("f",)
+
+        def f(self, a):
+            return "[" + type(self)._orig_f(self, a) + "]"
+
+    PatchSub = _sub_patch()
+
+    try:
+        apply_patch(PatchBase)
+        apply_patch(PatchSub)
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            mod.Sub().f("x", "y")
+    finally:
+        revert_patch(PatchSub)
+        revert_patch(PatchBase)
+
+
+def test_the_drafters_graph_capture_reaches_vllms_base_capture_with_every_patch_applied():
+    """With every CUDA patch applied (registered as on a GPU machine), V2's
+    EAGLE / MTP graph manager's capture (SpeculatorCudaGraphManager, patched
+    by MRV2TargetDrafterGraphsPatch) reaches vLLM's base capture
+    (CudaGraphManager, patched by MRV2UniformDecodeGraphsPatch) once, with
+    the factory it builds. Written with `type(self)._orig_capture`, the base
+    patch called the speculator's capture again with the base's two
+    arguments: a TypeError at graph capture in every V2 engine with an EAGLE
+    or MTP drafter under CUDA graphs. vLLM's base capture, which needs a
+    GPU, is a recording stand-in here."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import types
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
+            SpeculatorCudaGraphManager)
+        calls = []
+        def vllm_base_capture(self, create_forward_fn, progress_bar_desc="Capturing"):
+            calls.append((type(self).__name__, create_forward_fn.__name__, progress_bar_desc))
+        CudaGraphManager.capture = vllm_base_capture
+        import vllm_av.vllm.plugin as plugin
+        plugin._device_type = lambda: "cuda"
+        plugin.register()
+        from vllm_av.vllm.patching import applied_patches
+        applied = applied_patches()
+        assert {"MRV2UniformDecodeGraphsPatch", "MRV2TargetDrafterGraphsPatch"} <= set(applied)
+        mgr = SpeculatorCudaGraphManager.__new__(SpeculatorCudaGraphManager)
+        mgr.vllm_config = types.SimpleNamespace(additional_config={})
+        mgr.decode_query_len = 1
+        def forward_fn(*args, **kwargs):
+            pass
+        mgr.capture(forward_fn, None, None, None, [], None, "drafter graphs")
+        assert calls == [("SpeculatorCudaGraphManager", "create_forward_fn", "drafter graphs")], calls
+        print("ok")
+        """
+    )
+    env = dict(os.environ, VLLM_AV_IMPL="ours", VLLM_AV_MRV2="1")
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -11,8 +11,12 @@ Each patch is a class whose docstring is its ledger entry:
 
 `apply_patch` replaces the named attributes of the target class, keeps each
 original on the patched class as `_orig_<name>` (so the replacement calls
-through to it), records which patch owns which attribute, and refuses a
-second patch on the same attribute. A test walks `ALL_PATCHES` and checks
+through to it) and on the patch (`VllmPatch.original`), records which patch
+owns which attribute, and refuses a second patch on the same attribute.
+A replacement reads `type(self)._orig_<name>`, except where a subclass of
+its target has `name` patched too: the subclass's original reaches it
+through `super()` with `self` of the subclass, whose `_orig_<name>` is its
+own original; such a replacement calls `<Patch>.original(name)`. A test walks `ALL_PATCHES` and checks
 every ledger entry and that every target still exists in the installed vLLM.
 """
 
@@ -41,6 +45,11 @@ class VllmPatch:
     @classmethod
     def applies_to(cls, device_type: str) -> bool:
         return not cls.platforms or device_type in cls.platforms
+
+    @classmethod
+    def original(cls, name: str):
+        """The target's `name` as it was before this patch replaced it."""
+        return cls.__dict__["_originals"][name]
 
     @classmethod
     def resolve_target(cls) -> type:
@@ -83,6 +92,9 @@ def apply_patch(patch: type[VllmPatch]) -> None:
         replacement = inspect.getattr_static(patch, name)
         setattr(target, f"_orig_{name}", original)
         setattr(target, name, replacement)
+        if "_originals" not in vars(patch):
+            patch._originals = {}
+        patch._originals[name] = original
         _OWNERS[key] = _Owner(patch, original)
 
 
@@ -95,6 +107,7 @@ def revert_patch(patch: type[VllmPatch]) -> None:
         setattr(target, name, owner.original)
         if f"_orig_{name}" in vars(target):
             delattr(target, f"_orig_{name}")
+        vars(patch).get("_originals", {}).pop(name, None)
         del _OWNERS[key]
 
 

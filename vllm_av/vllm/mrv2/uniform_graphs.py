@@ -104,7 +104,7 @@ def keep_captured_twins(candidates: dict, graphs, every_candidate: dict, twins) 
 class MRV2UniformDecodeGraphsPatch(VllmPatch):
     """Capture uniform FULL decode graphs beside V2's varlen AV graphs.
 
-    Target: vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager._init_candidates
+    Target: vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager._init_candidates, .capture
     Why: with adaptive verification, V2 captures FULL decode graphs only as
         varlen graphs for K+1 query tokens per request, so a step that
         schedules no draft (adaptive depth 0), or one draft per request all
@@ -128,7 +128,7 @@ class MRV2UniformDecodeGraphsPatch(VllmPatch):
     platforms = ("cuda",)
 
     def _init_candidates(self) -> None:
-        type(self)._orig__init_candidates(self)
+        MRV2UniformDecodeGraphsPatch.original("_init_candidates")(self)
         self._vllm_av_twins = None
         options = av_options_of(self.vllm_config)
         if options is None or not options.uniform_decode_graphs or not self.varlen_decode:
@@ -143,7 +143,10 @@ class MRV2UniformDecodeGraphsPatch(VllmPatch):
                         "request) beside the varlen ones (option uniform_decode_graphs)", len(added))
 
     def capture(self, *args, **kwargs) -> None:
-        type(self)._orig_capture(self, *args, **kwargs)
+        # Not type(self)._orig_capture: the drafters' SpeculatorCudaGraphManager
+        # (its own capture patched, target_drafter.py) reaches this through
+        # super() with vLLM's base arguments.
+        MRV2UniformDecodeGraphsPatch.original("capture")(self, *args, **kwargs)
         added = getattr(self, "_vllm_av_twins", None)
         if added:
             twins, every_candidate = added
