@@ -16,8 +16,9 @@ owns which attribute, and refuses a second patch on the same attribute.
 A replacement reads `type(self)._orig_<name>`, except where a subclass of
 its target has `name` patched too: the subclass's original reaches it
 through `super()` with `self` of the subclass, whose `_orig_<name>` is its
-own original; such a replacement calls `<Patch>.original(name)`. A test walks `ALL_PATCHES` and checks
-every ledger entry and that every target still exists in the installed vLLM.
+own original; such a replacement calls `<Patch>.original(name)`.
+Tests walk `all_patches()`: every ledger entry is complete, every target
+still exists in the installed vLLM, and no such pair reads `_orig_`.
 """
 
 from __future__ import annotations
