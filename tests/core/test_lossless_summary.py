@@ -1,0 +1,59 @@
+"""scripts/gpu/lossless_summary.py on logs in the shape pytest -v -s and
+tests/gpu/test_gpu_lossless.py print them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+
+import lossless_summary  # noqa: E402
+
+HEAD = "tests/gpu/test_gpu_lossless.py::"
+PASSING = (
+    f"{HEAD}test_a GPU AV on MRV2 with EAGLE (bfloat16): N=8000 chi-square p-values "
+    "{'token1': 0.02, 'token2': 0.8}; AV counters {'steps': 10, 'slope': nan}\n"
+    "PASSED\n"
+)
+FAILING = (
+    f"{HEAD}test_b[holes] GPU AV on MRV2, depth 0/K alternating, holes (bfloat16): N=8000 "
+    "chi-square p-values {'token1': 3e-09, 'token2': 0.5}; AV counters None\n"
+    "FAILED\n"
+)
+CLOSING = "=========== 1 failed, 1 passed, 17 deselected in 256.33s (0:04:16) ===========\n"
+SHORT_SUMMARY = f"FAILED {HEAD}test_b[holes] - AssertionError: {{'token1': 3e-09}}\n"
+
+
+def test_runs_verdicts_and_closing_line_are_read():
+    out = lossless_summary.summarise(PASSING + FAILING + SHORT_SUMMARY + CLOSING)
+    assert [r["label"] for r in out["distribution_runs"]] == [
+        "MRV2 with EAGLE", "MRV2, depth 0/K alternating, holes"]
+    assert out["distribution_runs"][0]["av_counters"] == {"steps": 10, "slope": None}
+    assert out["distribution_runs"][1]["av_counters"] is None
+    # The short summary's line names test_b again: it must not add a test.
+    assert out["verdicts"] == [{"test": "test_a", "verdict": "PASSED"},
+                               {"test": "test_b[holes]", "verdict": "FAILED"}]
+    assert out["min_p"] == 3e-09
+    assert out["pytest_summary"].startswith("1 failed, 1 passed")
+
+
+def test_a_test_cut_by_the_time_limit_is_not_read_as_passed():
+    # Negative control for the verdicts: the log ends while test_c runs.
+    cut = PASSING + f"{HEAD}test_c Writing model shards:   0%|\n"
+    out = lossless_summary.summarise(cut)
+    assert out["verdicts"][0]["verdict"] == "PASSED"
+    assert out["verdicts"][1] == {"test": "test_c", "verdict": lossless_summary.CUT}
+    assert out["pytest_summary"] is None
+
+
+def test_main_writes_one_entry_per_log(tmp_path):
+    log = tmp_path / "tests_gpu_lossless.log"
+    log.write_text(PASSING + CLOSING)
+    out = tmp_path / "summary.json"
+    assert lossless_summary.main([str(log), "--machine", "m", "--date", "d", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["alpha_per_check"] == 1e-5
+    assert list(data["runs"]) == ["tests_gpu_lossless.log"]
+    assert data["runs"]["tests_gpu_lossless.log"]["verdicts"][0]["verdict"] == "PASSED"
