@@ -152,6 +152,9 @@ lossless_test() {  # on $CUDA_VISIBLE_DEVICES; LOSSLESS_TESTS: a pytest -k selec
   timeout 900 python3 -m pytest -v -s tests/gpu/test_gpu_lossless.py ${LOSSLESS_TESTS:+-k "$LOSSLESS_TESTS"} \
     > "$RES/tests_gpu_lossless.log" 2>&1
   log "tests/gpu lossless exit $?"; grep -a "p-values\|passed\|failed" "$RES/tests_gpu_lossless.log" | tail -6
+  python3 scripts/gpu/lossless_summary.py "$RES/tests_gpu_lossless.log" --date "$(date -u +%F)" \
+    --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    --out "$RES/tests_gpu_lossless.json" || log "lossless_summary.py failed"
 }
 
 engine_tests() {  # engine_tests <gpu>
@@ -271,6 +274,7 @@ if [[ "${JOB_KIND:-start}" == focus && $NGPU -eq 1 ]]; then
   # LOSSLESS_AFTER: more distribution tests (a pytest -k selection) last.
   if [[ -n ${LOSSLESS_AFTER:-} ]]; then
     cp "$RES/tests_gpu_lossless.log" "$RES/tests_gpu_lossless_first.log" 2>/dev/null
+    cp "$RES/tests_gpu_lossless.json" "$RES/tests_gpu_lossless_first.json" 2>/dev/null
     LOSSLESS_TESTS=$LOSSLESS_AFTER lossless_test
   fi
   breakdowns_of "${BREAKDOWN_AFTER:-}"
