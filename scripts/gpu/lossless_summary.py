@@ -16,6 +16,8 @@ import ast
 import json
 import re
 import sys
+from collections import Counter
+from pathlib import Path
 
 RUN = re.compile(r"GPU AV on (?P<label>[^:\n]*?) \((?:bfloat16|float32)\): N=(?P<n>\d+) "
                  r"chi-square p-values (?P<p>\{[^}]*\}); AV counters (?P<stats>\{.*?\}|None)\n")
@@ -54,15 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = {}
     for path in args.logs:
-        with open(path, errors="replace") as f:
-            runs[path.rsplit("/", 1)[-1]] = summarise(f.read())
+        runs[Path(path).name] = summarise(Path(path).read_text(errors="replace"))
     out = {"machine": args.machine, "date": args.date, "alpha_per_check": args.alpha, "runs": runs}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     for name, run in runs.items():
-        counts = {}
-        for v in run["verdicts"]:
-            counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+        counts = dict(Counter(v["verdict"] for v in run["verdicts"]))
         print(f"{name}: {counts}, smallest p {run['min_p']}")
     return 0
 
