@@ -3,9 +3,11 @@
     python scripts/gpu/lossless_summary.py benchmarks/results/<round>/tests_gpu_lossless*.log \
         --machine "NVIDIA H100 80GB HBM3" --date 2026-12-07 --out benchmarks/results/<round>/summary.json
 
-For each log: every distribution run the tests printed (label, sample
-count, chi-square p-values, AV counters), each test's verdict in the order
-pytest ran them, and pytest's closing line. A test whose verdict never
+For each log: every distribution run the tests printed (label, dtype,
+sample count, chi-square p-values, AV counters), the negative control's
+runs apart (a deliberately lossy admission: its p-values must be tiny, and
+they are kept out of `min_p`), each test's verdict in the order pytest ran
+them, and pytest's closing line. A test whose verdict never
 appears was running when the log was cut (the call's time limit); it is
 reported as such, not as passed.
 """
@@ -19,8 +21,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-RUN = re.compile(r"GPU AV on (?P<label>[^:\n]*?) \((?:bfloat16|float32)\): N=(?P<n>\d+) "
-                 r"chi-square p-values (?P<p>\{[^}]*\}); AV counters (?P<stats>\{.*?\}|None)\n")
+# "GPU AV on <label> (dtype)", "GPU AV (dtype)", "GPU AV async (dtype)", and
+# the negative control's "GPU lossy admission (dtype)" (no N, no counters);
+# the first rounds' logs print no dtype.
+RUN = re.compile(r"GPU (?P<kind>AV(?: on (?P<label>[^:\n]*?)| async)?|lossy admission)"
+                 r"(?: \((?P<dtype>bfloat16|float32)\))?: (?:N=(?P<n>\d+) )?"
+                 r"chi-square p-values (?P<p>\{[^}]*\})(?:; AV counters (?P<stats>\{.*?\}|None))?\n")
+LOSSY = "lossy admission"
 TOKEN = re.compile(r"^tests/\S+::(test_\S+)|\b(PASSED|FAILED|ERROR)\b", re.M)
 CLOSING = re.compile(r"^=+ (.* in [0-9.]+s.*?) =+$", re.M)
 CUT = "cut while running (the log ends before its verdict)"
@@ -32,8 +39,12 @@ def _literal(text: str):
 
 
 def summarise(text: str) -> dict:
-    runs = [{"label": m["label"], "n": int(m["n"]), "p_values": _literal(m["p"]),
-             "av_counters": _literal(m["stats"])} for m in RUN.finditer(text)]
+    runs, lossy = [], []
+    for m in RUN.finditer(text):
+        run = {"label": m["label"] or m["kind"], "dtype": m["dtype"],
+               "n": int(m["n"]) if m["n"] else None, "p_values": _literal(m["p"]),
+               "av_counters": _literal(m["stats"]) if m["stats"] else None}
+        (lossy if m["kind"] == LOSSY else runs).append(run)
     verdicts: list[dict] = []
     for test, verdict in TOKEN.findall(text):
         if test:
@@ -41,7 +52,7 @@ def summarise(text: str) -> dict:
         elif verdicts and verdicts[-1]["verdict"] == CUT:
             verdicts[-1]["verdict"] = verdict
     closing = CLOSING.findall(text)
-    return {"distribution_runs": runs, "verdicts": verdicts,
+    return {"distribution_runs": runs, "negative_control_runs": lossy, "verdicts": verdicts,
             "pytest_summary": closing[-1] if closing else None,
             "min_p": min((min(r["p_values"].values()) for r in runs), default=None)}
 

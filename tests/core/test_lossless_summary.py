@@ -57,3 +57,22 @@ def test_main_writes_one_entry_per_log(tmp_path):
     assert data["alpha_per_check"] == 1e-5
     assert list(data["runs"]) == ["tests_gpu_lossless.log"]
     assert data["runs"]["tests_gpu_lossless.log"]["verdicts"][0]["verdict"] == "PASSED"
+
+
+def test_v1_async_and_negative_control_lines_are_read_and_kept_apart():
+    text = (
+        f"{HEAD}test_v1[float32] GPU AV (float32): N=8000 chi-square p-values "
+        "{'token1': 0.4}; AV counters {'steps': 3}\nPASSED\n"
+        f"{HEAD}test_async GPU AV async (bfloat16): N=8000 chi-square p-values "
+        "{'token1': 0.3}; AV counters None\nPASSED\n"
+        f"{HEAD}test_negative_control GPU lossy admission (bfloat16): chi-square p-values "
+        "{'token1': 0.8, 'token2': 1e-18}\nPASSED\n"
+    )
+    out = lossless_summary.summarise(text)
+    assert [(r["label"], r["dtype"], r["n"]) for r in out["distribution_runs"]] == [
+        ("AV", "float32", 8000), ("AV async", "bfloat16", 8000)]
+    assert out["negative_control_runs"] == [{
+        "label": "lossy admission", "dtype": "bfloat16", "n": None,
+        "p_values": {"token1": 0.8, "token2": 1e-18}, "av_counters": None}]
+    # The lossy run's tiny p must not read as a lossless run's smallest.
+    assert out["min_p"] == 0.3
