@@ -7,9 +7,9 @@ For each log: every distribution run the tests printed (label, dtype,
 sample count, chi-square p-values, AV counters), the negative control's
 runs apart (a deliberately lossy admission: its p-values must be tiny, and
 they are kept out of `min_p`), each test's verdict in the order pytest ran
-them, and pytest's closing line. A test whose verdict never
-appears was running when the log was cut (the call's time limit); it is
-reported as such, not as passed.
+them, and pytest's closing line. A test whose verdict never appears was
+running when the log was cut (the call's time limit); it is reported as
+such, not as passed.
 """
 from __future__ import annotations
 

@@ -76,3 +76,13 @@ def test_v1_async_and_negative_control_lines_are_read_and_kept_apart():
         "p_values": {"token1": 0.8, "token2": 1e-18}, "av_counters": None}]
     # The lossy run's tiny p must not read as a lossless run's smallest.
     assert out["min_p"] == 0.3
+
+
+def test_the_first_rounds_lines_without_a_dtype_are_read():
+    text = (f"{HEAD}test_v1 GPU AV: N=4000 chi-square p-values {{'token1': 0.59}}; "
+            "AV counters {'steps': 157}\nPASSED\n"
+            f"{HEAD}test_negative_control GPU lossy admission: chi-square p-values "
+            "{'token2': 7e-20}\nPASSED\n")
+    out = lossless_summary.summarise(text)
+    assert [(r["label"], r["dtype"], r["n"]) for r in out["distribution_runs"]] == [("AV", None, 4000)]
+    assert out["negative_control_runs"][0]["p_values"] == {"token2": 7e-20}
