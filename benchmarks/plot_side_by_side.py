@@ -48,7 +48,14 @@ def engine_series(pooled: dict) -> tuple[str, dict[str, list[tuple[int, float, f
     return "/".join(sorted(bases)) or "?", series
 
 
-def plot(result: dict, out: Path) -> Path:
+def run_names(sittings: list[str], folder: Path) -> list[str]:
+    """Each pooled run's folder name. `side_by_side.py --pool` keeps the
+    paths as given, relative to where it ran: the pooled JSON's folder, by
+    the results' READMEs, so a bare `side_by_side.json` is that folder's."""
+    return [(folder / p).resolve().parent.name for p in sittings]
+
+
+def plot(result: dict, out: Path, folder: Path = Path(".")) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +80,7 @@ def plot(result: dict, out: Path) -> Path:
     if pooled:
         ax.set_ylabel(f"tokens/s over {base} (by engine; 90% t interval)")
         ax.set_title(f"{len(result['sittings'])} run(s): "
-                     + ", ".join(Path(p).parent.name for p in result["sittings"])[:90])
+                     + ", ".join(run_names(result["sittings"], folder))[:90])
     else:
         ax.set_ylabel(f"tokens/s over {base} (paired; median, min-max)")
         # A summary rebuilt from a cut-off run's log counts full repeats per C.
@@ -97,7 +104,7 @@ def main() -> None:
     if not path.is_file():
         raise SystemExit(f"{path}: no such file (a side_by_side.py --out JSON)")
     out = Path(sys.argv[2]) if len(sys.argv) == 3 else path.with_name("ratios.png")
-    print(plot(json.loads(path.read_text()), out))
+    print(plot(json.loads(path.read_text()), out, folder=path.parent))
 
 
 if __name__ == "__main__":

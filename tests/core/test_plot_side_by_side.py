@@ -67,3 +67,11 @@ def test_the_pooled_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     out = plot_side_by_side.plot(_pooled(), tmp_path / "by_engine.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pooled_runs_are_named_by_their_folders_relative_to_the_pooled_json(tmp_path):
+    folder = tmp_path / "results" / "round47"
+    names = plot_side_by_side.run_names(
+        ["../round43/side_by_side.json", "side_by_side.json"], folder)
+    # A bare file name is the pooled JSON's own run, not a nameless one.
+    assert names == ["round43", "round47"]
