@@ -1,8 +1,8 @@
 """What the exploration backoff's cap costs and saves: a replay of the
 drafting-depth policy (`AdaptiveVerifier.choose_depth`) with
-`EXPLORE_BACKOFF_MAX` at several values.
+`EXPLORE_BACKOFF_MAX` (and `EXPLORE_BACKOFF_FACTOR`) at several values.
 
-    python benchmarks/exploration_backoff.py [--caps 8,32] [--steps 20000] \
+    python benchmarks/exploration_backoff.py [--caps 8,32] [--factors 2] [--steps 20000] \
         [--seeds 0,1,2] [--out results.json]
 
 Two batch sizes with step costs as the H100 measured them with the real
@@ -97,6 +97,7 @@ def replay(R: int, steps: int, seed: int, change_at: int | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--caps", default="8,32")
+    ap.add_argument("--factors", default="2", help="the back-off's growth per exploration")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--change-at", type=int, default=10000)
     ap.add_argument("--seeds", default="0,1,2")
@@ -105,27 +106,31 @@ def main() -> None:
     torch.set_num_threads(1)
     seeds = [int(x) for x in args.seeds.split(",")]
     default_cap = verifier_module.EXPLORE_BACKOFF_MAX
+    default_factor = verifier_module.EXPLORE_BACKOFF_FACTOR
     t0 = time.time()
     rows = []
-    for cap in [int(x) for x in args.caps.split(",")]:
+    for cap, factor in [(int(c), int(f)) for c in args.caps.split(",")
+                        for f in args.factors.split(",")]:
         verifier_module.EXPLORE_BACKOFF_MAX = cap
+        verifier_module.EXPLORE_BACKOFF_FACTOR = factor
         for R in COSTS:
             steady = [replay(R, args.steps, seed, None) for seed in seeds]
             change = [replay(R, args.steps, seed, args.change_at) for seed in seeds]
             delays = [r["steps_to_draft_after_change"] for r in change]
-            row = {"cap": cap, "requests": R,
+            row = {"cap": cap, "factor": factor, "requests": R,
                    "explore_share_median": statistics.median(r["explore_share"] for r in steady),
                    "explorations": [r["explorations"] for r in steady],
                    "steps_to_draft_after_change": delays, "steady": steady, "change": change}
             rows.append(row)
             ms = COSTS[R][0]
-            print(f"cap {cap:3d}, {R:3d} requests: exploring adds "
+            print(f"cap {cap:3d}, factor {factor}, {R:3d} requests: exploring adds "
                   f"{100 * row['explore_share_median']:.2f}% of the time where drafting does "
                   f"not pay ({row['explorations']} explorations in {args.steps} steps); after "
                   f"drafting starts to pay the policy drafts {delays} steps later "
                   f"(about {[round(x * ms / 1e3, 1) if x is not None else None for x in delays]} s "
                   f"at {ms} ms a step)", flush=True)
     verifier_module.EXPLORE_BACKOFF_MAX = default_cap
+    verifier_module.EXPLORE_BACKOFF_FACTOR = default_factor
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({

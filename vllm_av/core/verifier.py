@@ -195,6 +195,13 @@ EXPLORE_HOPELESS_TIME_SHARE = 0.01
 # noticed a change to well-accepted drafts 1.1-16 s after it against
 # 0.3-4.9 s (benchmarks/exploration_backoff.py).
 EXPLORE_BACKOFF_MAX = 32
+# The interval's growth per such exploration. In the same replays over an
+# engine's first 1,600 steps, 4 against 2 cut exploring from 0.89% to 0.60%
+# of the time at one request and from 0.50% to 0.35% at 64, noticed a change
+# at step 800 sooner at one request (278 steps against 768), and at 64
+# requests missed it by step 1,600 in 2 of 3 draws (1 of 3 at 2): too few
+# draws to prefer 4 (benchmarks/results/cpu_20261207_early_exploration/).
+EXPLORE_BACKOFF_FACTOR = 2
 # A drafting depth above 0 is chosen only where its expected rate beats
 # plain decoding's by this share. Near break-even the choice rests on one
 # step's stale rows, whose mean acceptance moves by a few percent from step
@@ -463,7 +470,8 @@ class AdaptiveVerifier:
         chose depth 0 on every step since the previous exploration, else
         (or at the first) keep the base interval (EXPLORE_BACKOFF_MAX)."""
         if self._drafted_since_explore is False:
-            self._explore_scale = min(2 * self._explore_scale, EXPLORE_BACKOFF_MAX)
+            self._explore_scale = min(EXPLORE_BACKOFF_FACTOR * self._explore_scale,
+                                     EXPLORE_BACKOFF_MAX)
         else:
             self._explore_scale = 1
         self._drafted_since_explore = False
